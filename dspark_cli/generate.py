@@ -1,0 +1,150 @@
+"""`dspark generate "PROMPT"`: one request through the engine, streamed to the terminal or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from dspark_core.errors import InvalidArgument
+
+from .models import DRAFTER_NAMES, default_target, load_stack, resolve_drafter_path
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the request's random generator")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt (embedded engine)",
+                       description="Generate a continuation of PROMPT with speculative decoding on the bundled model.")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text (a user message for chat models)")
+    p.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text, e.g. 1,2,3")
+    p.add_argument("--target", default=None, help="target model directory (any HF causal LM; default: bundled)")
+    p.add_argument("--drafter", default="auto", choices=("auto", "none", *DRAFTER_NAMES),
+                   help="shipped drafter to use; none = autoregressive; auto = dspark when installed")
+    p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
+    p.add_argument("--policy", default="fixed", help="verification-length policy (fixed, threshold, gamma1, ar...)")
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default auto)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise InvalidArgument("--prompt-ids", text, "must be comma-separated integers") from None
+    if not ids:
+        raise InvalidArgument("--prompt-ids", text, "must name at least one token id")
+    return ids
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
+    if tokenizer is None:
+        raise InvalidArgument("prompt", prompt, "needs a tokenizer; this model has none, pass --prompt-ids")
+    if not raw and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+class TextStreamer:
+    """Prints decoded text as ids arrive, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out or sys.stdout, [], 0
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+    def close(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()
+
+
+def sampling_params(args, stop_token_ids=()):
+    from dspark_core.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+
+
+def run(args) -> int:
+    from dspark_core.engine import Engine, EngineConfig
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise InvalidArgument("prompt", args.prompt, "give exactly one of PROMPT or --prompt-ids")
+    if args.prompt is not None and not args.prompt.strip():
+        raise InvalidArgument("prompt", args.prompt, "must not be empty")
+    params = sampling_params(args)  # validate before loading anything
+    _quiet_transformers()
+    target, drafter = load_stack(args.target or default_target(),
+                                 resolve_drafter_path(args.drafter, args.drafter_path), args.device, args.dtype)
+    params = sampling_params(args, stop_token_ids=target.eos_token_ids)
+    prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else encode_prompt(
+        target.tokenizer, args.prompt, args.raw)
+    policy = args.policy if drafter is not None else "ar"
+    engine = Engine(target, drafter, EngineConfig(policy=policy, block_size=args.block_size),
+                    sps=_load_sps(args.target or default_target()))
+    streamer = None
+    if not args.json and target.tokenizer is not None:
+        streamer = TextStreamer(target.tokenizer)
+    t0 = time.perf_counter()
+    req = engine.generate(prompt_ids, params, on_tokens=streamer)
+    wall = time.perf_counter() - t0
+    text = target.tokenizer.decode(req.output_ids, skip_special_tokens=True) if target.tokenizer else None
+    if streamer is not None:
+        streamer.close()
+    if args.json:
+        rounds = req.num_rounds
+        print(json.dumps({
+            "text": text,
+            "token_ids": req.output_ids,
+            "num_rounds": rounds,
+            "accepted_per_round": req.accepted_per_round,
+            "tau": (sum(req.accepted_per_round) + rounds) / rounds if rounds else None,
+            "tokens_per_second": round(len(req.output_ids) / wall, 3),
+            "prompt_tokens": len(prompt_ids),
+            "finish_reason": req.finish_reason,
+            "drafter": getattr(drafter, "name", None),
+            "policy": policy,
+        }))
+    elif streamer is None:
+        print(" ".join(map(str, req.output_ids)))
+    return 0
+
+
+def _load_sps(target_dir: str):
+    """The target's profiled cost table when `dspark profile` saved one beside it."""
+    from pathlib import Path
+
+    path = Path(target_dir) / "sps.json"
+    if not path.exists():
+        return None
+    from dspark_core.cost_model import SpsTable
+
+    return SpsTable.load(path)
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()

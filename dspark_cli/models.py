@@ -1,0 +1,55 @@
+"""Where the shipped models live, and loading a target (+ drafter) the way every command does."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dspark_core.errors import ModelLoadError
+
+DRAFTER_NAMES = ("dspark", "dspark-rnn", "dflash", "eagle3")
+
+
+def models_dir() -> Path:
+    """`$DSPARK_MODELS_DIR`, else the `models/` folder of the source checkout."""
+    env = os.environ.get("DSPARK_MODELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
+
+
+def default_target() -> str:
+    return str(models_dir() / "target")
+
+
+def resolve_drafter_path(name: str | None, path: str | None) -> str | None:
+    """`--drafter-path` wins; `--drafter none` is autoregressive; `auto` takes the shipped DSpark if present."""
+    if path:
+        return path
+    if name in (None, "none"):
+        return None
+    if name == "auto":
+        p = models_dir() / "dspark"
+        return str(p) if (p / "config.json").exists() else None
+    p = models_dir() / name
+    if not (p / "config.json").exists():
+        raise ModelLoadError(f"drafter {name!r} is not installed (looked in {p})")
+    return str(p)
+
+
+def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto"):
+    """Load the drafter (if any) first: its config says which target layers to tap."""
+    from dspark_core.target import TargetConfig, TargetRuntime
+
+    drafter = None
+    taps: tuple[int, ...] = ()
+    if drafter_path:
+        from dspark_core.drafters import load_drafter
+        from dspark_core.target import resolve_device, resolve_dtype
+
+        dev = resolve_device(device)
+        drafter = load_drafter(drafter_path, device=dev, dtype=resolve_dtype(dtype, dev))
+        taps = tuple(drafter.target_layer_ids)
+    target = TargetRuntime(TargetConfig(model_dir=target_dir, device=device, dtype=dtype, tap_layer_ids=taps))
+    if drafter is not None and target.vocab_size != drafter.vocab_size:
+        raise ModelLoadError(
+            f"drafter vocabulary ({drafter.vocab_size}) does not match the target's ({target.vocab_size})")
+    return target, drafter

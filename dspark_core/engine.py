@@ -1,0 +1,315 @@
+"""The multi-request speculative-decoding engine: draft -> schedule -> verify -> commit, batched.
+
+Continuous batching: requests join (`add_request`) and leave (finish or `cancel`) between steps. One
+`step()` runs, for every active request at once:
+1. one batched prefill for requests that just joined (their first token is sampled from it),
+2. one batched `propose` of the drafter (a block of draft tokens + confidences per request),
+3. the scheduling policy: how many of each request's drafts the target verifies this step,
+4. one ragged batched target forward over `[anchor, d_1..d_l]` per request, lossless verification,
+   KV rollback to the accepted prefix, and the committed tokens' target features handed to the drafter.
+Autoregressive decoding is the same loop with no drafter (every block is just the anchor).
+
+The engine owns no threads and no I/O: `dspark generate`, the benchmark and the services drive it.
+It knows nothing about text: prompts and outputs are token ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .errors import InvalidArgument, NotFound
+from .sampling import SamplingParams, make_generator, sample_token
+from .target import Sequence, TargetRuntime
+from .verification import DraftBlock, verify_block
+
+# Policies that need per-position confidences from the drafter.
+_CONFIDENCE_POLICIES = ("causal", "async", "threshold")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # how many draft tokens the target may verify per request and step: a policy name of
+    # dspark_core.scheduling ("fixed", "causal", "async", "threshold", "gamma1", "ar")
+    policy: str = "fixed"
+    # draft block size; None = the drafter's own
+    block_size: int | None = None
+    # static per-step threshold for the "threshold" policy
+    confidence_threshold: float = 0.5
+    # requests verified together at most; more wait in the queue
+    max_active: int = 64
+    # requests waiting at most before add_request refuses more (bounded queueing)
+    max_waiting: int = 1024
+
+    def __post_init__(self):
+        if self.policy not in ("fixed", "causal", "async", "threshold", "gamma1", "ar"):
+            raise InvalidArgument("policy", self.policy, "must be one of fixed, causal, async, threshold, gamma1, ar")
+        if self.block_size is not None and not 1 <= self.block_size <= 32:
+            raise InvalidArgument("block_size", self.block_size, "must be in [1, 32]")
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise InvalidArgument("confidence_threshold", self.confidence_threshold, "must be in [0, 1]")
+        if self.max_active < 1:
+            raise InvalidArgument("max_active", self.max_active, "must be >= 1")
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Everything the engine tracks for one request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    draft_generator: torch.Generator
+    seq: Sequence | None = None
+    draft_state: object = None
+    # token ids generated so far (the last one is the anchor of the next round)
+    output_ids: list[int] = field(default_factory=list)
+    # committed positions whose target features the drafter has not seen yet
+    pending_features: torch.Tensor | None = None
+    pending_start: int = 0
+    pending_tokens: list[int] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)
+    proposed_per_round: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    t_end: float | None = None
+
+    @property
+    def anchor(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def anchor_pos(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.accepted_per_round)
+
+    def tokens_per_second(self) -> float:
+        end = self.t_end if self.t_end is not None else time.perf_counter()
+        return len(self.output_ids) / max(end - self.t_start, 1e-9)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step produced for one request: new token ids, and whether it finished."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    """Runs many requests' speculative decoding over one target and at most one drafter."""
+
+    def __init__(self, target: TargetRuntime, drafter=None, config: EngineConfig = EngineConfig(),
+                 sps: Callable[[int], float] | None = None):
+        self.target, self.drafter, self.config = target, drafter, config
+        self.sps = sps
+        self.block_size = 0
+        if drafter is not None:
+            if tuple(drafter.target_layer_ids) != tuple(target.config.tap_layer_ids):
+                raise InvalidArgument("tap_layer_ids", target.config.tap_layer_ids,
+                                      f"must equal the drafter's target_layer_ids {tuple(drafter.target_layer_ids)}")
+            self.block_size = config.block_size or drafter.block_size
+            if config.policy in _CONFIDENCE_POLICIES and not getattr(drafter, "has_confidence", True):
+                raise InvalidArgument("policy", config.policy,
+                                      f"needs a drafter with a confidence head; {drafter.name} has none")
+        if config.policy in ("causal", "async") and sps is None:
+            raise InvalidArgument("policy", config.policy, "needs the target's SPS cost table (run `dspark profile`)")
+        self._policy = self._make_policy()
+        self.waiting: list[RequestState] = []
+        self.active: list[RequestState] = []
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    def _make_policy(self):
+        from . import scheduling
+
+        cfg = self.config
+        if self.drafter is None or cfg.policy == "ar":
+            return lambda confs: [0] * len(confs)
+        if cfg.policy == "fixed":
+            return scheduling.fixed_schedule
+        if cfg.policy == "gamma1":
+            return scheduling.gamma1_schedule
+        if cfg.policy == "threshold":
+            return lambda confs: scheduling.threshold_schedule(confs, cfg.confidence_threshold)
+        if cfg.policy == "causal":
+            return lambda confs: scheduling.causal_prefix_schedule(confs, self.sps)
+        async_sched = scheduling.AsyncScheduler()
+        return lambda confs: async_sched.schedule(confs, self.sps)
+
+    # -- request lifecycle
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if not prompt_ids:
+            raise InvalidArgument("prompt", prompt_ids, "must not be empty")
+        if len(prompt_ids) >= self.target.max_context:
+            raise InvalidArgument("prompt", f"{len(prompt_ids)} tokens",
+                                  f"must be shorter than the context window ({self.target.max_context} tokens)")
+        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise InvalidArgument("prompt_ids", bad[:5], f"must be token ids in [0, {self.target.vocab_size})")
+        if len(self.waiting) >= self.config.max_waiting:
+            from .errors import ResourceExhausted
+
+            raise ResourceExhausted(f"queue full: {len(self.waiting)} requests waiting (max_waiting)")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidArgument("request_id", rid, "is already in use")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        req = RequestState(rid, list(prompt_ids), params, make_generator(seed), make_generator(seed ^ 0x5EED5EED))
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise NotFound(f"no request {request_id!r}")
+        self._finish(req, "cancelled")
+
+    def pop(self, request_id: str) -> RequestState:
+        """Forget a finished request and return its final state."""
+        req = self.requests.pop(request_id)
+        assert req.finished, "pop() is for finished requests"
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def _finish(self, req: RequestState, reason: str) -> None:
+        if req.finished:
+            return
+        req.finished, req.finish_reason, req.t_end = True, reason, time.perf_counter()
+        if req.seq is not None:
+            self.target.release(req.seq)
+            req.seq = None
+        req.draft_state = None
+        if req in self.active:
+            self.active.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def _emit(self, req: RequestState, tokens: list[int], stopped: bool) -> list[int]:
+        """Append committed tokens, honouring max_new_tokens and the context window."""
+        room = req.params.max_new_tokens - len(req.output_ids)
+        kept = tokens[:room]
+        req.output_ids.extend(kept)
+        if req.t_first_token is None and kept:
+            req.t_first_token = time.perf_counter()
+        if stopped and len(kept) == len(tokens):
+            self._finish(req, "stop")
+        elif len(req.output_ids) >= req.params.max_new_tokens:
+            self._finish(req, "length")
+        elif len(req.prompt_ids) + len(req.output_ids) >= self.target.max_context:
+            self._finish(req, "length")
+        return kept
+
+    def _stop_ids(self, req: RequestState) -> set[int]:
+        return set(req.params.stop_token_ids)
+
+    # -- one step
+    def step(self) -> list[StepEvent]:
+        events: dict[str, list[int]] = {}
+        self._admit(events)
+        if self.active:
+            self._round(events)
+        self.num_steps += 1
+        out = []
+        for rid, toks in events.items():
+            req = self.requests[rid]
+            out.append(StepEvent(rid, tuple(toks), req.finished, req.finish_reason))
+        return out
+
+    def _admit(self, events: dict[str, list[int]]) -> None:
+        room = self.config.max_active - len(self.active)
+        joining, self.waiting = self.waiting[:room], self.waiting[room:]
+        if not joining:
+            return
+        for req in joining:
+            req.seq = self.target.new_sequence()
+            if self.drafter is not None:
+                req.draft_state = self.drafter.new_state()
+        out = self.target.forward([(r.seq, r.prompt_ids) for r in joining], last_logits_only=True)
+        for i, req in enumerate(joining):
+            self.active.append(req)
+            first = sample_token(out.logits_of(i)[0], req.params, req.generator)
+            if self.drafter is not None:
+                req.pending_features, req.pending_start = out.taps_of(i), 0
+                req.pending_tokens = list(req.prompt_ids)
+            events[req.request_id] = self._emit(req, [first], first in self._stop_ids(req))
+
+    def _round(self, events: dict[str, list[int]]) -> None:
+        reqs = list(self.active)
+        drafts: list[DraftBlock] = [DraftBlock(tokens=())] * len(reqs)
+        if self.drafter is not None:
+            drafts = self._draft(reqs)
+        out = self.target.forward([(r.seq, [r.anchor, *d.tokens]) for r, d in zip(reqs, drafts)])
+        for i, (req, draft) in enumerate(zip(reqs, drafts)):
+            outcome = verify_block(out.logits_of(i), draft, req.params, req.generator)
+            a = outcome.num_accepted
+            start = req.anchor_pos
+            self.target.truncate(req.seq, start + a + 1)
+            req.accepted_per_round.append(a)
+            req.proposed_per_round.append(len(draft.tokens))
+            if self.drafter is not None:
+                taps = out.taps_of(i)
+                req.pending_features = taps[: a + 1]
+                req.pending_start = start
+                req.pending_tokens = [req.anchor, *draft.tokens[:a]]
+            kept = self._emit(req, list(outcome.tokens), outcome.stopped)
+            events.setdefault(req.request_id, []).extend(kept)
+
+    def _draft(self, reqs: list[RequestState]) -> list[DraftBlock]:
+        from .drafters.base import ProposeItem
+
+        items = []
+        for r in reqs:
+            items.append(ProposeItem(
+                state=r.draft_state, new_features=r.pending_features, new_positions_start=r.pending_start,
+                new_tokens=r.pending_tokens, anchor=r.anchor, anchor_pos=r.anchor_pos,
+                temperature=r.params.temperature, generator=r.draft_generator))
+        proposals = self.drafter.propose(items)
+        gamma = self.block_size
+        confs = []
+        for p in proposals:
+            c = p.confidences
+            confs.append([1.0] * len(p.tokens[:gamma]) if c is None else c[:gamma].tolist())
+        lengths = self._policy(confs)
+        blocks = []
+        for r, p, l in zip(reqs, proposals, lengths):
+            # the verify block must fit in the context window: anchor + l drafts
+            l = max(0, min(l, gamma, self.target.max_context - r.anchor_pos - 1))
+            blocks.append(DraftBlock(
+                tokens=tuple(p.tokens[:l]),
+                support_ids=None if p.support_ids is None else p.support_ids[:l],
+                support_probs=None if p.support_probs is None else p.support_probs[:l]))
+        return blocks
+
+    # -- convenience
+    def run(self) -> None:
+        while self.has_work:
+            self.step()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens: Callable[[list[int]], None] | None = None
+                 ) -> RequestState:
+        """Run one request to completion (other queued requests advance too)."""
+        rid = self.add_request(prompt_ids, params)
+        req = self.requests[rid]
+        while not req.finished:
+            for ev in self.step():
+                if ev.request_id == rid and on_tokens and ev.new_token_ids:
+                    on_tokens(list(ev.new_token_ids))
+        return self.pop(rid)

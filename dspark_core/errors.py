@@ -1,0 +1,32 @@
+"""Domain exceptions of dspark_core.
+
+A handful of classes, each meaning one thing to a caller. Entry points map them once: the CLI to a
+one-line message and exit code 2, the gRPC services to status codes in one interceptor. Every message
+names the offending field and value.
+"""
+
+from __future__ import annotations
+
+
+class DSparkError(Exception):
+    """Base class of every error dspark_core raises on purpose."""
+
+
+class InvalidArgument(DSparkError, ValueError):
+    """A caller passed a value that can never work (bad field, bad range, empty prompt...)."""
+
+    def __init__(self, field: str, value: object, requirement: str):
+        self.field, self.value, self.requirement = field, value, requirement
+        super().__init__(f"{field} {requirement}; got {value!r}")
+
+
+class ModelLoadError(DSparkError):
+    """A model directory is missing, incomplete or not a supported architecture."""
+
+
+class ResourceExhausted(DSparkError):
+    """Capacity is full (context window, queue, KV budget); the request may succeed later or smaller."""
+
+
+class NotFound(DSparkError):
+    """A named thing (request id, model name, replica) does not exist."""

@@ -1,0 +1,377 @@
+"""Target runtime: any Hugging Face causal LM behind a small API for speculative decoding.
+
+It offers what the engine needs from the target and nothing more:
+- `new_sequence()` / `release()`: a per-request KV cache (a *slot* in a shared store),
+- `forward()`: one forward pass over a *ragged* batch — each sequence appends its own number of tokens
+  (a whole prompt for prefill, `[anchor, d_1..d_n]` for verification) — returning logits and the taps
+  of the configured layers for every appended position,
+- `truncate()`: roll a sequence's KV cache back to its accepted prefix (O(1): only its length moves).
+
+How the ragged batch runs in one pass: every layer's K/V live in one tensor
+`[slots, kv_heads, capacity, head_dim]`; a sequence owns one slot and positions `[0, length)` in it.
+A step writes each sequence's new K/V at its own offset and hands the model a view of the active slots,
+with a 4-D additive mask that lets query `i` of sequence `r` see keys `[0, length_r + i]`. Stale entries
+past a sequence's length (rolled-back drafts) are masked, never copied. The model is the stock HF module:
+this file plugs into its `Cache` interface, so any architecture whose attention calls `cache.update()`
+works (Qwen3, Qwen2, Llama, Mistral...).
+
+Knows nothing about drafters, sampling or tokenization beyond loading the tokenizer that ships with the
+model. Taps follow algorithms.md section 1: layer id `l` is HF `hidden_states[l + 1]`, `-1` is the
+embedding output, and the last layer is refused (HF returns it after the final norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import Cache
+
+from .errors import InvalidArgument, ModelLoadError, ResourceExhausted
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` picks CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidArgument("device", device, "must be auto, cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument("device", device, "needs a CUDA GPU, and none is available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidArgument("dtype", dtype, f"must be one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    model_dir: str
+    device: str = "auto"
+    dtype: str = "auto"
+    # Decoder layers whose outputs are tapped for drafters, strictly increasing; -1 = embeddings.
+    tap_layer_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        ids = tuple(self.tap_layer_ids)
+        if any(not isinstance(i, int) for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+            raise InvalidArgument("tap_layer_ids", self.tap_layer_ids, "must be strictly increasing integers")
+        if ids and ids[0] < -1:
+            raise InvalidArgument("tap_layer_ids", self.tap_layer_ids, "must be >= -1 (-1 = embedding output)")
+        object.__setattr__(self, "tap_layer_ids", ids)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's KV cache: `length` positions of it are valid, held in slot `slot` of the store."""
+
+    slot: int
+    length: int = 0
+    released: bool = False
+
+
+@dataclass
+class RaggedOutput:
+    """Outputs of one ragged forward, flattened over sequences in the order they were given."""
+
+    # [num_tokens, vocab] float32, rows of sequence r are cu_seqlens[r]:cu_seqlens[r+1]
+    logits: torch.Tensor
+    # [num_tokens, num_taps * hidden] in the model dtype ([num_tokens, 0] when no layers are tapped)
+    taps: torch.Tensor
+    # [num_seqs + 1] long, cumulative token offsets
+    cu_seqlens: torch.Tensor
+    # which rows carry logits: all appended positions, or only each sequence's last one
+    last_only: bool = False
+
+    def logits_of(self, r: int) -> torch.Tensor:
+        if self.last_only:
+            return self.logits[r : r + 1]
+        return self.logits[self.cu_seqlens[r] : self.cu_seqlens[r + 1]]
+
+    def taps_of(self, r: int) -> torch.Tensor:
+        return self.taps[self.cu_seqlens[r] : self.cu_seqlens[r + 1]]
+
+
+class SlotKVCache(Cache):
+    """Per-sequence KV caches in one preallocated store per layer, exposed to HF as a `Cache`.
+
+    Before each forward, `plan()` fixes which slots take part, where each one's new tokens go, and the
+    view length. `update()` (called by every attention layer) scatters the new K/V into place and
+    returns the view of the participating slots.
+    """
+
+    def __init__(self, num_layers: int, device: torch.device, dtype: torch.dtype, max_length: int):
+        super().__init__(layers=[])
+        self.num_layers, self.device, self.dtype, self.max_length = num_layers, device, dtype, max_length
+        # per layer: [slot_capacity, kv_heads, length_capacity, head_dim], allocated on first use
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.slot_capacity, self.length_capacity = 0, 0
+        self._plan: dict | None = None
+
+    # -- capacity
+    @torch.no_grad()
+    def reserve(self, slots: int, length: int) -> None:
+        new_slots = max(self.slot_capacity, 1)
+        while new_slots < slots:
+            new_slots *= 2
+        new_len = max(self.length_capacity, 64)
+        while new_len < length:
+            new_len *= 2
+        new_len = min(new_len, max(self.max_length, length))
+        if new_slots == self.slot_capacity and new_len == self.length_capacity:
+            return
+        for i in range(self.num_layers):
+            for store in (self.keys, self.values):
+                old = store[i]
+                if old is None:
+                    continue
+                grown = old.new_zeros((new_slots, old.shape[1], new_len, old.shape[3]))
+                grown[: old.shape[0], :, : old.shape[2]] = old
+                store[i] = grown
+        self.slot_capacity, self.length_capacity = new_slots, new_len
+
+    @torch.no_grad()
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        for store in (self.keys, self.values):
+            for t in store:
+                if t is not None:
+                    t[dst, :, :length] = t[src, :, :length]
+
+    # -- one forward
+    def plan(self, slots: list[int], offsets: list[int], counts: list[int]) -> None:
+        dev = self.device
+        r_idx = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(counts))
+        q_idx = torch.cat([torch.arange(c) for c in counts])
+        slot_t = torch.tensor(slots)
+        pos_idx = torch.tensor(offsets)[r_idx] + q_idx
+        lo, hi = min(slots), max(slots)
+        contiguous = hi - lo + 1 == len(slots) and slots == list(range(lo, hi + 1))
+        self._plan = {
+            "r": r_idx.to(dev), "q": q_idx.to(dev), "slot": slot_t[r_idx].to(dev), "pos": pos_idx.to(dev),
+            "view": slice(lo, hi + 1) if contiguous else slot_t.to(dev),
+            "kv_len": max(o + c for o, c in zip(offsets, counts)),
+        }
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states: [num_seqs, kv_heads, max_new, head_dim]
+        p = self._plan
+        assert p is not None, "plan() must run before the forward pass"
+        if self.keys[layer_idx] is None:
+            shape = (self.slot_capacity, key_states.shape[1], self.length_capacity, key_states.shape[3])
+            self.keys[layer_idx] = key_states.new_zeros(shape)
+            self.values[layer_idx] = value_states.new_zeros(shape)
+        k_store, v_store = self.keys[layer_idx], self.values[layer_idx]
+        k_store[p["slot"], :, p["pos"]] = key_states[p["r"], :, p["q"]]
+        v_store[p["slot"], :, p["pos"]] = value_states[p["r"], :, p["q"]]
+        # [num_seqs, kv_heads, kv_len, head_dim]: a view when the slots are contiguous
+        return k_store[p["view"], :, : p["kv_len"]], v_store[p["view"], :, : p["kv_len"]]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self._plan is None else self._plan["kv_len"]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(), 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def _check_model_dir(path: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"model directory not found: {path}")
+    if not p.is_dir():
+        raise ModelLoadError(f"model path is not a directory: {path}")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"not a Hugging Face model directory (no config.json): {path}")
+    return p
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer shipped in a model directory, or None when it has none (token ids only)."""
+    p = Path(path)
+    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any tokenizer failure is a load failure of this directory
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+
+
+class TargetRuntime:
+    """A loaded target model plus the slot store of its sequences' KV caches."""
+
+    def __init__(self, config: TargetConfig):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.config = config
+        path = _check_model_dir(config.model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        try:
+            hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(f"invalid config.json in {path}: {exc}") from exc
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=self.dtype, attn_implementation="sdpa", local_files_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
+        self.model = model.to(self.device).eval()
+        self.hf_config = hf_config
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.num_layers: int = text_config.num_hidden_layers
+        self.hidden_size: int = text_config.hidden_size
+        self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
+        self.max_context: int = int(getattr(text_config, "max_position_embeddings", 2048) or 2048)
+        for l in config.tap_layer_ids:
+            if l > self.num_layers - 2:
+                raise InvalidArgument(
+                    "tap_layer_ids", config.tap_layer_ids,
+                    f"must be <= {self.num_layers - 2} for a {self.num_layers}-layer target "
+                    "(the last layer's HF output is after the final norm)")
+        self.tokenizer = load_tokenizer(path)
+        self.eos_token_ids: tuple[int, ...] = self._eos_ids()
+        self.name = path.name
+        self._decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        self._lm_head = self.model.get_output_embeddings()
+        self.cache = SlotKVCache(self.num_layers, self.device, self.dtype, self.max_context)
+        self._sequences: list[Sequence] = []  # index == slot
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.hf_config, "eos_token_id", None)):
+            if src is None:
+                continue
+            for i in src if isinstance(src, (list, tuple)) else [src]:
+                if i not in ids:
+                    ids.append(int(i))
+        return tuple(ids)
+
+    @property
+    def tap_width(self) -> int:
+        return len(self.config.tap_layer_ids) * self.hidden_size
+
+    @property
+    def num_active(self) -> int:
+        return len(self._sequences)
+
+    # -- sequence lifecycle
+    def new_sequence(self) -> Sequence:
+        seq = Sequence(slot=len(self._sequences))
+        self._sequences.append(seq)
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """Free a sequence's slot; the last slot moves into the hole so active slots stay contiguous."""
+        if seq.released:
+            return
+        last = self._sequences.pop()
+        if last is not seq:
+            self.cache.move_slot(last.slot, seq.slot, last.length)
+            last.slot = seq.slot
+            self._sequences[seq.slot] = last
+        seq.released = True
+
+    def truncate(self, seq: Sequence, length: int) -> None:
+        """Roll back to the first `length` positions (e.g. anchor + accepted drafts)."""
+        if not 0 <= length <= seq.length:
+            raise InvalidArgument("length", length, f"must be in [0, {seq.length}]")
+        seq.length = length
+
+    # -- the forward pass
+    @torch.no_grad()
+    def forward(self, batch: list[tuple[Sequence, list[int]]], last_logits_only: bool = False) -> RaggedOutput:
+        """Append each sequence's tokens in one batched pass. Returns logits and taps per new position.
+
+        With `last_logits_only` (prefill), logits are computed only at each sequence's last position.
+        """
+        if not batch:
+            raise InvalidArgument("batch", batch, "must hold at least one sequence")
+        counts = [len(toks) for _, toks in batch]
+        if min(counts) < 1:
+            raise InvalidArgument("tokens", counts, "every sequence must append at least one token")
+        for seq, toks in batch:
+            if seq.released:
+                raise InvalidArgument("sequence", seq.slot, "was released")
+            if seq.length + len(toks) > self.max_context:
+                raise ResourceExhausted(
+                    f"context window exceeded: {seq.length} + {len(toks)} tokens > max_context {self.max_context}")
+            bad = [t for t in toks if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidArgument("token_ids", bad[:5], f"must be in [0, {self.vocab_size})")
+        if len({id(seq) for seq, _ in batch}) != len(batch):
+            raise InvalidArgument("batch", "duplicate sequence", "must name each sequence once")
+        # Run in slot order so the participating slots form a view whenever possible.
+        order = sorted(range(len(batch)), key=lambda i: batch[i][0].slot)
+        seqs = [batch[i][0] for i in order]
+        toks = [batch[i][1] for i in order]
+        n, q = len(seqs), max(counts)
+        offsets = [s.length for s in seqs]
+        self.cache.reserve(len(self._sequences), max(o + len(t) for o, t in zip(offsets, toks)))
+        self.cache.plan([s.slot for s in seqs], offsets, [len(t) for t in toks])
+
+        ids = torch.zeros((n, q), dtype=torch.long)
+        for r, t in enumerate(toks):
+            ids[r, : len(t)] = torch.tensor(t)
+        off = torch.tensor(offsets)
+        # [n, q] absolute positions of the new tokens
+        pos = off[:, None] + torch.arange(q)[None, :]
+        kv_len = self.cache.get_seq_length()
+        # [n, 1, q, kv_len] additive mask: query i of row r sees keys [0, offset_r + i]
+        allowed = torch.arange(kv_len)[None, None, :] <= pos[:, :, None]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        out = self._decoder(
+            input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+            attention_mask=mask[:, None].to(self.device), cache=self.cache, use_cache=True,
+            output_hidden_states=bool(self.config.tap_layer_ids))
+        self.cache._plan = None
+        # [n, q] validity of each padded position
+        valid = (torch.arange(q)[None, :] < torch.tensor([len(t) for t in toks])[:, None]).to(self.device)
+        if last_logits_only:
+            last = torch.tensor([len(t) - 1 for t in toks], device=self.device)
+            h = out.last_hidden_state[torch.arange(n, device=self.device), last]  # [n, hidden]
+        else:
+            h = out.last_hidden_state[valid]  # [num_tokens, hidden]
+        logits = self._lm_head(h).float()
+        taps = h.new_zeros((int(valid.sum()), 0))
+        if self.config.tap_layer_ids:
+            # [n, q, num_taps * hidden] -> [num_tokens, num_taps * hidden]
+            taps = torch.cat([out.hidden_states[l + 1] for l in self.config.tap_layer_ids], dim=-1)[valid]
+        for s, t in zip(seqs, toks):
+            s.length += len(t)
+        # Back to the caller's order.
+        sorted_counts = [len(t) for t in toks]
+        cu_sorted = [0]
+        for c in sorted_counts:
+            cu_sorted.append(cu_sorted[-1] + c)
+        inverse = [0] * n
+        for k, i in enumerate(order):
+            inverse[i] = k
+        if order != list(range(n)):
+            if last_logits_only:
+                logits = logits[torch.tensor(inverse, device=self.device)]
+            else:
+                rows = torch.cat([torch.arange(cu_sorted[inverse[i]], cu_sorted[inverse[i] + 1]) for i in range(n)])
+                logits = logits[rows.to(self.device)]
+            rows = torch.cat([torch.arange(cu_sorted[inverse[i]], cu_sorted[inverse[i] + 1]) for i in range(n)])
+            taps = taps[rows.to(self.device)]
+        cu = torch.zeros(n + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(torch.tensor(counts), 0)
+        return RaggedOutput(logits=logits, taps=taps, cu_seqlens=cu, last_only=last_logits_only)

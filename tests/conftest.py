@@ -1,0 +1,66 @@
+"""Shared fixtures: small real models built on the spot (no downloads), and the shared fixture sets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_FIXTURES = REPO.parent / "shared" / "fixtures" / "deepspec-tiny-a"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}<|user|>\n{{ message['content'] }}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n", "The answer is 42.", "Explain what a list is in Python.",
+    "What is 12 * 7? We compute 12 * 7 = 84.", "for i in range(10):\n    print(i)\n",
+] * 20
+
+
+def build_tiny_model(path: Path, arch: str = "qwen3", layers: int = 4, seed: int = 0) -> Path:
+    """A random causal LM with a real BPE tokenizer and chat template, saved as an HF directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|user|>", "<|assistant|>", "<|end|>", "<|pad|>", "<|mask|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>")
+    hf_tok.chat_template = CHAT_TEMPLATE
+    vocab = len(tok.get_vocab())
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id)
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, tie_word_embeddings=False, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    # Sharpen the random model so greedy decoding has clear winners.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(path)
+    hf_tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", layers=3, seed=1)
+
+
+@pytest.fixture(scope="session")
+def shared_fixtures() -> Path:
+    if not SHARED_FIXTURES.exists():
+        pytest.skip(f"shared fixtures not found at {SHARED_FIXTURES}")
+    return SHARED_FIXTURES

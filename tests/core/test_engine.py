@@ -1,0 +1,116 @@
+"""The engine: greedy output equals the target's own under every policy and batch mix; requests come and go."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dspark_core.engine import Engine, EngineConfig
+from dspark_core.errors import InvalidArgument, NotFound
+from dspark_core.sampling import SamplingParams
+from dspark_core.target import TargetConfig, TargetRuntime
+
+from drafter_doubles import OracleDrafter
+
+PROMPTS = [[5, 9, 12, 30, 41], [7, 7, 8], [100, 3, 19, 22, 23, 24, 60, 61, 90], [2]]
+
+
+def hf_greedy(model_dir, prompt, n):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_target_dir):
+    return [hf_greedy(tiny_target_dir, p, 12) for p in PROMPTS]
+
+
+def run_all(engine, params, stagger=True):
+    """Add requests at different steps (a batch mix that changes every step) and run to completion."""
+    rids = []
+    for p in PROMPTS:
+        rids.append(engine.add_request(p, params))
+        if stagger:
+            engine.step()
+    engine.run()
+    return [engine.pop(r) for r in rids]
+
+
+def test_autoregressive_greedy_equals_hf_greedy(target, expected):
+    engine = Engine(target, None, EngineConfig(policy="ar"))
+    outs = run_all(engine, SamplingParams(temperature=0, max_new_tokens=12))
+    assert [o.output_ids for o in outs] == expected
+    assert target.num_active == 0
+
+
+@pytest.mark.parametrize("policy,stagger", [("fixed", True), ("fixed", False), ("gamma1", True), ("threshold", True)])
+def test_speculative_greedy_equals_target_greedy(tiny_target_dir, target, expected, policy, stagger):
+    drafter = OracleDrafter(tiny_target_dir, block_size=4, corrupt=0.3)
+    engine = Engine(target, drafter, EngineConfig(policy=policy))
+    outs = run_all(engine, SamplingParams(temperature=0, max_new_tokens=12), stagger=stagger)
+    assert [o.output_ids for o in outs] == expected
+    # drafts were really accepted, and never more than proposed
+    assert sum(sum(o.accepted_per_round) for o in outs) > 0
+    for o in outs:
+        assert all(a <= p for a, p in zip(o.accepted_per_round, o.proposed_per_round))
+        if policy == "gamma1":
+            assert max(o.proposed_per_round) <= 1
+
+
+def test_sampling_is_reproducible_per_seed(tiny_target_dir, target):
+    drafter = OracleDrafter(tiny_target_dir, block_size=3, corrupt=0.5)
+
+    def once(seed, stagger):
+        engine = Engine(target, drafter, EngineConfig(policy="fixed"))
+        rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=seed, max_new_tokens=16))
+        if stagger:  # other requests in the batch must not change this request's stream
+            engine.add_request(PROMPTS[1], SamplingParams(temperature=0.8, seed=99, max_new_tokens=16))
+        engine.run()
+        return engine.requests[rid].output_ids
+
+    assert once(7, False) == once(7, False)
+    assert once(7, False) != once(8, False)
+
+
+def test_stop_token_ends_request(target, expected):
+    stop = expected[0][3]
+    engine = Engine(target, None, EngineConfig(policy="ar"))
+    req = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop,)))
+    assert req.output_ids == expected[0][: expected[0].index(stop) + 1]
+    assert req.finish_reason == "stop"
+
+
+def test_cancel_frees_the_sequence(target):
+    engine = Engine(target, None, EngineConfig(policy="ar"))
+    rid = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=50))
+    engine.step()
+    assert target.num_active == 1
+    engine.cancel(rid)
+    assert target.num_active == 0 and not engine.has_work
+    assert engine.pop(rid).finish_reason == "cancelled"
+    with pytest.raises(NotFound):
+        engine.cancel("nope")
+
+
+def test_bad_requests_are_refused_with_the_field(target):
+    engine = Engine(target, None, EngineConfig(policy="ar"))
+    with pytest.raises(InvalidArgument, match="prompt"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(InvalidArgument, match="context window"):
+        engine.add_request([1] * target.max_context, SamplingParams())
+    with pytest.raises(InvalidArgument, match="prompt_ids"):
+        engine.add_request([target.vocab_size], SamplingParams())
+    with pytest.raises(InvalidArgument, match="policy"):
+        EngineConfig(policy="fastest")
+    with pytest.raises(InvalidArgument, match="SPS"):
+        Engine(target, None, EngineConfig(policy="causal"))
