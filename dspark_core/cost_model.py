@@ -1,0 +1,396 @@
+"""The verifier's cost curve: steps per second SPS(B) as a function of the tokens B in one forward pass.
+
+What it knows: a measured table of (batch size in tokens, steps per second) points, how to read it at any
+B (linear interpolation inside, clamping below, a conservative extrapolation above), how to store it as
+JSON, plot it, and measure it with a caller-supplied step function.
+
+What it does not know: models, devices or torch. `profile_sps` times whatever `step_fn(b)` does; the target
+runtime supplies a function that runs one verification pass carrying `b` tokens and blocks until it is
+done (on a GPU that means synchronising inside `step_fn`). Schedulers only ever see a callable B -> SPS,
+obtained through `sps_callable`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import statistics
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from dspark_core.errors import InvalidArgument
+
+SPS_TABLE_FORMAT = "dspark-sps-table"
+SPS_TABLE_VERSION = 1
+
+_METADATA_FIELDS = ("device", "dtype", "context_length", "model")
+_DENSE_LIMIT = 1 << 16  # largest B cached by SpsTable.sps_range; larger B are computed per call
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SpsTable:
+    """Measured SPS(B) points of one verifier configuration.
+
+    Reading the table at a batch size `b` (tokens in one forward pass):
+    - b <= batch_sizes[0]: steps_per_second[0] (clamped; a pass never gets faster than the smallest
+      measured one).
+    - between two measured points: linear interpolation of steps per second.
+    - b > batch_sizes[-1]: the step *time* 1/SPS is extrapolated linearly with the slope of the last two
+      points, floored at 0 (a noisy table whose last segment speeds up extrapolates as flat). A one-point
+      table extrapolates as step time proportional to b (token throughput saturates), the conservative
+      guess when nothing is known. The result is always > 0.
+    """
+
+    # [num_points] strictly increasing, >= 1
+    batch_sizes: tuple[int, ...]
+    # [num_points] positive, finite
+    steps_per_second: tuple[float, ...]
+    device: str | None = None
+    dtype: str | None = None
+    context_length: int | None = None
+    model: str | None = None
+    # step times 1/SPS, derived once for extrapolation
+    _step_times: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    # SPS at B = 0 .. min(batch_sizes[-1], _DENSE_LIMIT), filled on the first `sps_range` call
+    _dense: list[float] | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self) -> None:
+        sizes, speeds = self.batch_sizes, self.steps_per_second
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise InvalidArgument("batch_sizes", sizes, "must be a sequence of integers")
+        if isinstance(speeds, (str, bytes)) or not isinstance(speeds, Sequence):
+            raise InvalidArgument("steps_per_second", speeds, "must be a sequence of numbers")
+        if len(sizes) == 0:
+            raise InvalidArgument("batch_sizes", sizes, "must hold at least one batch size")
+        if len(sizes) != len(speeds):
+            raise InvalidArgument(
+                "steps_per_second", speeds, f"must have one value per batch size ({len(sizes)})"
+            )
+        for i, b in enumerate(sizes):
+            if not _is_int(b) or b < 1:
+                raise InvalidArgument(f"batch_sizes[{i}]", b, "must be an integer >= 1")
+            if i > 0 and b <= sizes[i - 1]:
+                raise InvalidArgument(
+                    f"batch_sizes[{i}]", b, f"must be greater than batch_sizes[{i - 1}] = {sizes[i - 1]}"
+                )
+        for i, s in enumerate(speeds):
+            if not _is_real(s) or not math.isfinite(s) or s <= 0:
+                raise InvalidArgument(f"steps_per_second[{i}]", s, "must be a positive finite number")
+        for name in ("device", "dtype", "model"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgument(name, value, "must be a string or None")
+        if self.context_length is not None and (not _is_int(self.context_length) or self.context_length < 0):
+            raise InvalidArgument("context_length", self.context_length, "must be an integer >= 0 or None")
+        object.__setattr__(self, "batch_sizes", tuple(int(b) for b in sizes))
+        object.__setattr__(self, "steps_per_second", tuple(float(s) for s in speeds))
+        if self.context_length is not None:
+            object.__setattr__(self, "context_length", int(self.context_length))
+        object.__setattr__(self, "_step_times", tuple(1.0 / s for s in self.steps_per_second))
+
+    def __call__(self, b: int | float) -> float:
+        """Steps per second of a forward pass carrying `b` tokens (see the class docstring)."""
+        sizes, speeds = self.batch_sizes, self.steps_per_second
+        if b <= sizes[0]:
+            if b != b:  # NaN fails every comparison; catch it here rather than return garbage
+                raise InvalidArgument("b", b, "must be a number")
+            return speeds[0]
+        i = bisect_right(sizes, b)
+        if i < len(sizes):
+            b0, b1 = sizes[i - 1], sizes[i]
+            s0, s1 = speeds[i - 1], speeds[i]
+            return s0 + (s1 - s0) * (b - b0) / (b1 - b0)
+        if not math.isfinite(b):
+            raise InvalidArgument("b", b, "must be a finite number")
+        times = self._step_times
+        if len(sizes) == 1:
+            return speeds[0] * sizes[0] / b
+        slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]))
+        return 1.0 / (times[-1] + slope * (b - sizes[-1]))
+
+    def sps_range(self, lo: int, hi: int) -> list[float]:
+        """SPS at the integer batch sizes lo .. hi-1 in one call (what schedulers use in their inner loop:
+        a slice of a cached dense table instead of one interpolation per step)."""
+        dense = self._dense
+        if dense is None:
+            top = min(self.batch_sizes[-1], _DENSE_LIMIT)
+            dense = [self(b) for b in range(top + 1)]
+            object.__setattr__(self, "_dense", dense)
+        if lo < 1:
+            raise InvalidArgument("lo", lo, "must be >= 1")
+        if hi <= len(dense):
+            return dense[lo:hi]
+        start = max(lo, len(dense))
+        sizes, times = self.batch_sizes, self._step_times
+        if start <= sizes[-1] or len(sizes) == 1:  # past the cache but inside the table, or one point
+            return dense[lo:] + [self(b) for b in range(start, hi)]
+        # the extrapolation of __call__, inlined: 1 / (t_last + slope * (b - b_last))
+        slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]))
+        t_last, b_last = times[-1], sizes[-1]
+        return dense[lo:] + [1.0 / (t_last + slope * (b - b_last)) for b in range(start, hi)]
+
+    def step_time(self, b: int | float) -> float:
+        """Seconds per forward pass carrying `b` tokens: 1 / SPS(b)."""
+        return 1.0 / self(b)
+
+    # -- serialisation -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": SPS_TABLE_FORMAT,
+            "version": SPS_TABLE_VERSION,
+            "batch_sizes": list(self.batch_sizes),
+            "steps_per_second": list(self.steps_per_second),
+        }
+        for name in _METADATA_FIELDS:
+            out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object) -> "SpsTable":
+        """Build a table from `to_dict` output. Unknown keys are ignored (forward compatibility)."""
+        if not isinstance(data, dict):
+            raise InvalidArgument("sps table", data, "must be a JSON object")
+        fmt = data.get("format", SPS_TABLE_FORMAT)
+        if fmt != SPS_TABLE_FORMAT:
+            raise InvalidArgument("format", fmt, f"must be {SPS_TABLE_FORMAT!r}")
+        version = data.get("version", SPS_TABLE_VERSION)
+        if version != SPS_TABLE_VERSION:
+            raise InvalidArgument("version", version, f"must be {SPS_TABLE_VERSION}")
+        for key in ("batch_sizes", "steps_per_second"):
+            if key not in data:
+                raise InvalidArgument(key, None, "is required")
+            if not isinstance(data[key], list):
+                raise InvalidArgument(key, data[key], "must be a list")
+        return cls(
+            batch_sizes=tuple(data["batch_sizes"]),
+            steps_per_second=tuple(data["steps_per_second"]),
+            **{name: data.get(name) for name in _METADATA_FIELDS},
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "SpsTable":
+        try:
+            data = json.loads(text)
+        except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise InvalidArgument("sps table JSON", _snippet(text), f"is not valid JSON ({exc})") from exc
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the table as JSON; atomic (temporary file then rename), so readers never see half."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(self.to_json() + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "SpsTable":
+        """Read a table written by `save`. A missing file raises FileNotFoundError; a malformed one raises
+        InvalidArgument whose field names the file (and the bad entry, when the JSON parsed)."""
+        path = Path(path)
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise InvalidArgument(
+                f"sps table file {str(path)!r}", _snippet(text), f"is not valid JSON ({exc})"
+            ) from exc
+        try:
+            return cls.from_dict(data)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"sps table file {str(path)!r}: {exc.field}", exc.value, exc.requirement) from exc
+
+
+def _snippet(text: object, limit: int = 80) -> object:
+    if isinstance(text, (str, bytes)) and len(text) > limit:
+        return text[:limit] + (b"..." if isinstance(text, bytes) else "...")
+    return text
+
+
+SpsLike = Union[SpsTable, Callable[[int], float], Sequence[float]]
+
+
+class _SequenceSps:
+    """SPS given as a sequence indexed by batch size: sps[B] is SPS at B tokens, index 0 is ignored."""
+
+    __slots__ = ("_values", "_n")
+
+    def __init__(self, values: Any):
+        self._values = values
+        self._n = len(values)
+
+    def __call__(self, b: int) -> float:
+        if b.__class__ is not int:
+            if not _is_int(b):
+                raise InvalidArgument(
+                    "sps", f"<sequence of length {self._n}>", f"is indexed by integer batch sizes; asked for B={b!r}"
+                )
+            b = int(b)
+        if not 1 <= b < self._n:
+            raise InvalidArgument(
+                "sps", f"<sequence of length {self._n}>", f"covers batch sizes 1..{self._n - 1}; asked for B={b}"
+            )
+        value = self._values[b]
+        if not value > 0 or not math.isfinite(value):
+            raise InvalidArgument(f"sps[{b}]", value, "must be a positive finite steps-per-second")
+        return float(value)
+
+    def sps_range(self, lo: int, hi: int) -> list[float]:
+        """SPS at B = lo .. hi-1, cut short where the sequence ends or at its first invalid value (a
+        caller that reads on goes through __call__, which raises there, naming `sps`)."""
+        if lo < 1:
+            raise InvalidArgument("lo", lo, "must be >= 1")
+        values = [float(v) for v in self._values[lo:min(hi, self._n)]]
+        for k, v in enumerate(values):
+            if not v > 0 or not math.isfinite(v):
+                return values[:k]
+        return values
+
+
+class _CheckedSps:
+    """Wraps a caller's callable so that a non-positive or non-finite SPS fails loudly, naming `sps`."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[int], float]):
+        self._fn = fn
+
+    def __call__(self, b: int) -> float:
+        value = self._fn(b)
+        if not value > 0 or not math.isfinite(value):
+            raise InvalidArgument("sps", value, f"must return a positive finite steps-per-second; at B={b}")
+        return value
+
+
+def sps_callable(sps: SpsLike) -> Callable[[int], float]:
+    """Normalise the ways a caller can give SPS(B) into one callable B -> steps per second.
+
+    - an `SpsTable`: returned as is.
+    - a callable: wrapped so that a non-positive or non-finite result raises InvalidArgument naming `sps`.
+    - a sequence (list, tuple, 1-D numpy array) indexed by batch size: `sps[B]` is SPS at B tokens;
+      index 0 is ignored (there is no zero-token pass), so a list covering B = 1..N has length N + 1.
+      A B outside 1..len(sps)-1 raises InvalidArgument naming `sps`.
+    """
+    if isinstance(sps, (SpsTable, _SequenceSps, _CheckedSps)):
+        return sps
+    if callable(sps):
+        return _CheckedSps(sps)
+    if isinstance(sps, (str, bytes, dict)) or not hasattr(sps, "__len__") or not hasattr(sps, "__getitem__"):
+        raise InvalidArgument("sps", sps, "must be an SpsTable, a callable B -> SPS, or a sequence indexed by B")
+    if getattr(sps, "ndim", 1) != 1:
+        raise InvalidArgument("sps", sps, "must be one-dimensional when given as an array")
+    if len(sps) < 2:
+        raise InvalidArgument("sps", sps, "as a sequence must cover at least B = 1 (index 0 is ignored)")
+    return _SequenceSps(sps)
+
+
+def plot_sps(table: SpsTable, path: str | os.PathLike[str], *, max_batch: int | None = None) -> None:
+    """Write a PNG with SPS(B) and token throughput B * SPS(B), measured points marked.
+
+    The curve is drawn from B = 1 to `max_batch` (default: the last measured batch size); past the last
+    measured point it shows the extrapolation, dashed.
+    """
+    if not isinstance(table, SpsTable):
+        raise InvalidArgument("table", table, "must be an SpsTable")
+    last = table.batch_sizes[-1]
+    top = last if max_batch is None else max_batch
+    if not _is_int(top) or top < 1:
+        raise InvalidArgument("max_batch", max_batch, "must be an integer >= 1")
+    # Figure + Agg canvas directly: no pyplot global state, no backend switching in the caller's process.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    ax_sps, ax_tok = fig.subplots(1, 2)
+    inside = list(range(1, min(top, last) + 1))
+    beyond = list(range(last, top + 1)) if top > last else []
+    for ax, fn, label in (
+        (ax_sps, lambda b: table(b), "steps per second"),
+        (ax_tok, lambda b: b * table(b), "tokens per second (B x SPS)"),
+    ):
+        ax.plot(inside, [fn(b) for b in inside], "-", color="C0", label="interpolated")
+        if beyond:
+            ax.plot(beyond, [fn(b) for b in beyond], "--", color="C1", label="extrapolated")
+        measured = [b for b in table.batch_sizes if b <= top]
+        ax.plot(measured, [fn(b) for b in measured], "o", color="C0", label="measured")
+        ax.set_xlabel("tokens per forward pass (B)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    meta = ", ".join(f"{n}={getattr(table, n)}" for n in _METADATA_FIELDS if getattr(table, n) is not None)
+    fig.suptitle("Verifier cost curve" + (f" ({meta})" if meta else ""))
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), format="png", dpi=100)
+
+
+def profile_sps(
+    step_fn: Callable[[int], object],
+    batch_sizes: Sequence[int],
+    repeats: int = 5,
+    warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    context_length: int | None = None,
+    model: str | None = None,
+) -> SpsTable:
+    """Measure SPS(B): for each batch size, `warmup` untimed calls of `step_fn(b)`, then `repeats` timed
+    ones; SPS = 1 / median step time.
+
+    `step_fn(b)` must run one forward pass carrying `b` tokens and return only when it is finished (call
+    `torch.cuda.synchronize()` inside it on a GPU). `clock` returns seconds; it is a parameter so that the
+    harness can be tested with a fake clock.
+    """
+    if not callable(step_fn):
+        raise InvalidArgument("step_fn", step_fn, "must be callable as step_fn(b)")
+    if not _is_int(repeats) or repeats < 1:
+        raise InvalidArgument("repeats", repeats, "must be an integer >= 1")
+    if not _is_int(warmup) or warmup < 0:
+        raise InvalidArgument("warmup", warmup, "must be an integer >= 0")
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence) or len(batch_sizes) == 0:
+        raise InvalidArgument("batch_sizes", batch_sizes, "must be a non-empty sequence of integers")
+    for i, b in enumerate(batch_sizes):  # validate before spending time on measurements
+        if not _is_int(b) or b < 1:
+            raise InvalidArgument(f"batch_sizes[{i}]", b, "must be an integer >= 1")
+        if i > 0 and b <= batch_sizes[i - 1]:
+            raise InvalidArgument(f"batch_sizes[{i}]", b, f"must be greater than batch_sizes[{i - 1}]")
+    speeds = []
+    for b in batch_sizes:
+        for _ in range(warmup):
+            step_fn(b)
+        elapsed = []
+        for _ in range(repeats):
+            start = clock()
+            step_fn(b)
+            elapsed.append(clock() - start)
+        median = statistics.median(elapsed)
+        if not median > 0:
+            raise InvalidArgument("clock", median, f"must advance during a step (median step time at B={b})")
+        speeds.append(1.0 / median)
+    return SpsTable(
+        batch_sizes=tuple(batch_sizes),
+        steps_per_second=tuple(speeds),
+        device=device,
+        dtype=dtype,
+        context_length=context_length,
+        model=model,
+    )

@@ -1,0 +1,359 @@
+"""Verification-length policies: how many of each request's draft tokens the target checks this round.
+
+What it knows: per-request confidences c_{r,1..gamma} (the calibrated probability that draft position j
+survives given that 1..j-1 did), the verifier's cost curve SPS(B) (steps per second of a forward pass
+carrying B tokens; see `dspark_core.cost_model`), and the policies that turn them into lengths:
+
+- "causal"   paper Algorithm 1: greedy over candidates by prefix survival a_{r,j} = prod_{i<=j} c_{r,i},
+             stopping at the first candidate that does not raise expected accepted tokens per second.
+- "async"    paper section 5.2: capacity K from the pool of two steps earlier, top-K admission now.
+- "threshold", "fixed", "gamma1", "ar"   baselines.
+
+What it does not know: tokens, tensors, models, batching or time. Every function is pure (the one class,
+`AsyncScheduler`, only remembers confidences) and runs on plain Python floats: at serving sizes
+(<= a few hundred candidates) a Python sort beats numpy's per-call overhead.
+
+Conventions: `confidences` is a sequence with one sequence per active request (lengths may differ, an
+empty one means a request with no drafts this round); values are numbers in [0, 1]. Error fields use
+Python's 0-based indices (`confidences[2][0]` is request 2's first draft position, c_{2,1} in the paper).
+Every active request always verifies its anchor, so a round with R requests and lengths l_r carries
+B = R + sum(l_r) tokens. Returned lengths are in 0..len(confidences[r]).
+
+Losslessness: admitting draft position j may depend only on what was known before x_j was sampled. The
+causal policy gets this from its early stop, the async one from its two-step lag. `retrospective_global_
+schedule` breaks it on purpose and exists only to demonstrate the bias in tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import numbers
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dspark_core.cost_model import SpsLike, SpsTable, sps_callable
+from dspark_core.errors import InvalidArgument
+
+Confidences = Sequence[Sequence[float]]
+Policy = Callable[[Confidences, SpsLike], list[int]]
+
+
+# -- input handling ----------------------------------------------------------------------------------
+
+
+def _rows(confidences: Any) -> list[Any]:
+    """The per-request rows, accepting lists, tuples and array-likes with `.tolist()` (numpy, torch)."""
+    if hasattr(confidences, "tolist") and not isinstance(confidences, (list, tuple)):
+        confidences = confidences.tolist()
+    if isinstance(confidences, (str, bytes)) or not isinstance(confidences, Sequence):
+        raise InvalidArgument(
+            "confidences", confidences, "must be a sequence with one sequence of confidences per request"
+        )
+    rows = list(confidences)
+    for r, row in enumerate(rows):
+        if row.__class__ is list or row.__class__ is tuple:
+            continue
+        if hasattr(row, "tolist"):
+            rows[r] = row = row.tolist()
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise InvalidArgument(f"confidences[{r}]", row, "must be a sequence of confidences in [0, 1]")
+    return rows
+
+
+def _is_confidence(c: Any) -> bool:
+    return isinstance(c, numbers.Real) and not isinstance(c, bool) and 0.0 <= c <= 1.0
+
+
+def _bad_row(r: int, row: Any) -> InvalidArgument:
+    """The error for the first invalid value of request r's row (called only once one is known)."""
+    for j, c in enumerate(row):
+        if not _is_confidence(c):
+            return InvalidArgument(f"confidences[{r}][{j}]", c, "must be a number in [0, 1]")
+    raise AssertionError(f"row {r} has no invalid confidence")
+
+
+class _Pool:
+    """The candidate pool of one step, flattened (request-major) for speed.
+
+    neg[i] = -a_{r,j} for every candidate with a_{r,j} > 0, owner[i] = r, and `order` lists the indices
+    best first: sorted by -a, ties kept in flat order, i.e. by (r, j). Within a request a is
+    non-increasing in j, so every prefix of `order` is prefix-closed per request.
+    """
+
+    __slots__ = ("num_requests", "neg", "owner", "order")
+
+    def __init__(self, rows: list[Any]):
+        # [num_candidates]
+        neg: list[float] = []
+        # [num_candidates]
+        owner: list[int] = []
+        for r, row in enumerate(rows):
+            a = 1.0
+            for c in row:
+                if c.__class__ is not float and not _is_confidence(c):
+                    raise _bad_row(r, row)
+                if not 0.0 <= c <= 1.0:  # also rejects NaN
+                    raise _bad_row(r, row)
+                a *= c  # once a reaches 0 it stays 0, so zeros and everything after them are skipped
+                if a > 0.0:
+                    neg.append(-a)
+            owner.extend([r] * (len(neg) - len(owner)))
+        self.num_requests = len(rows)
+        self.neg, self.owner = neg, owner
+        self.order = sorted(range(len(neg)), key=neg.__getitem__)
+
+    def best_prefix(self, sps: Callable[[int], float], early_stop: bool) -> int:
+        """Number of leading candidates that maximises theta = tau * SPS(B), B = R + k; with `early_stop`
+        the walk ends at the first candidate that does not strictly raise theta (paper Algorithm 1)."""
+        neg, order, r0 = self.neg, self.order, self.num_requests
+        n = len(order)
+        bulk = getattr(sps, "sps_range", None)
+        # [<= n + 1] SPS at B = R, R + 1, ... read in one call where the callable offers it (an SpsTable
+        # slices a cached table); past what it returned, sps(B) is called per step
+        values = bulk(r0, r0 + n + 1) if bulk is not None else ()
+        nv = len(values)
+        tau = float(r0)
+        best = tau * (values[0] if nv else sps(r0))
+        best_k = 0
+        for k, i in enumerate(order, 1):
+            tau -= neg[i]
+            theta = tau * (values[k] if k < nv else sps(r0 + k))
+            if theta > best:
+                best, best_k = theta, k
+            elif early_stop:
+                break
+        return best_k
+
+    def lengths(self, k: int) -> list[int]:
+        """Per-request lengths admitting the first k candidates (a prefix-closed set: count = length)."""
+        out = [0] * self.num_requests
+        owner = self.owner
+        for i in self.order[:k]:
+            out[owner[i]] += 1
+        return out
+
+
+# -- the causal scheduler (paper Algorithm 1) -------------------------------------------------------
+
+
+def causal_prefix_schedule(confidences: Confidences, sps: SpsLike) -> list[int]:
+    """Paper Algorithm 1: verification length per request, in 0..len(confidences[r]).
+
+    Candidates (r, j) with a_{r,j} > 0 are taken in order of a_{r,j} descending (ties by r, then j).
+    Starting from l_r = 0, B = R, tau = R, best = R * SPS(R), each candidate sets l_r = j, B += 1,
+    tau += a_{r,j}; theta = tau * SPS(B) is recorded if strictly greater than the best so far, and the
+    first candidate that does not improve ends the search. The early stop is what makes the decision on
+    position j independent of x_j (non-anticipating); do not "optimise" it away.
+
+    `sps`: an SpsTable, a callable B -> steps per second, or a sequence with sps[B] = SPS at B tokens
+    (index 0 ignored); see `dspark_core.cost_model.sps_callable`.
+    """
+    rows = _rows(confidences)
+    fn = sps_callable(sps)
+    if not rows:
+        return []
+    pool = _Pool(rows)
+    return pool.lengths(pool.best_prefix(fn, early_stop=True))
+
+
+# -- async: lagged capacity + top-K (paper section 5.2) ---------------------------------------------
+
+
+def async_capacity(lagged_confidences: Confidences, sps: SpsLike) -> int:
+    """Capacity K (total draft tokens to admit) from the confidences of two steps earlier: an
+    unconstrained global search, the best theta over every prefix of that step's sorted pool.
+
+    The anchors counted in B are the lagged pool's requests (len(lagged_confidences)). Searching globally
+    is safe here only because the pool is two steps old: nothing in it depends on the tokens being
+    verified now. Suited to jagged, non-unimodal SPS curves where the early stop halts too soon.
+    """
+    rows = _rows(lagged_confidences)
+    fn = sps_callable(sps)
+    if not rows:
+        return 0
+    return _Pool(rows).best_prefix(fn, early_stop=False)
+
+
+def async_topk_schedule(confidences: Confidences, capacity: int) -> list[int]:
+    """Admit the top-`capacity` current candidates by a_{r,j} (ties by r, then j; a = 0 never), which
+    respects prefixes; returns the length per request. Fewer candidates than `capacity` admits them all."""
+    if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool) or capacity < 0:
+        raise InvalidArgument("capacity", capacity, "must be an integer >= 0")
+    rows = _rows(confidences)
+    return _Pool(rows).lengths(int(capacity))
+
+
+class AsyncScheduler:
+    """The async policy with its memory: call `schedule(confidences, sps)` once per step.
+
+    Step t admits the top-K candidates of step t, with K = async_capacity(pool of step t-2, sps). With
+    fewer than two earlier steps remembered (the first two steps, or after `reset()`), it falls back to
+    `causal_prefix_schedule`, which is causal on its own. `next_capacity(sps)` gives, right after step t,
+    the K that step t+1 will use (it depends only on step t-1), so a pipeline can size the next batch early.
+    """
+
+    def __init__(self) -> None:
+        # [<= 2] pools of the last two steps, oldest first, as tuples of tuples of floats
+        self._history: deque[tuple[tuple[Any, ...], ...]] = deque(maxlen=2)
+
+    def schedule(self, confidences: Confidences, sps: SpsLike) -> list[int]:
+        rows = _rows(confidences)
+        if len(self._history) == 2:
+            lengths = async_topk_schedule(rows, async_capacity(self._history[0], sps))
+        else:
+            lengths = causal_prefix_schedule(rows, sps)
+        self._history.append(tuple(tuple(row) for row in rows))
+        return lengths
+
+    __call__ = schedule
+
+    def next_capacity(self, sps: SpsLike) -> int | None:
+        """K for the next `schedule` call, or None when that call will fall back to the causal policy."""
+        if len(self._history) < 2:
+            return None
+        return async_capacity(self._history[0], sps)  # after step t: [t-1, t]; step t+1 reads t-1
+
+    def reset(self) -> None:
+        self._history.clear()
+
+
+# -- baselines ---------------------------------------------------------------------------------------
+
+
+def threshold_schedule(confidences: Confidences, threshold: float) -> list[int]:
+    """Static per-position threshold: verify up to, not including, the first position j whose own
+    confidence c_{r,j} < threshold. threshold = 0 verifies everything (the fixed policy); any threshold
+    > 0 stops at a zero confidence, so a = 0 is then never admitted."""
+    if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or not 0.0 <= threshold <= 1.0:
+        raise InvalidArgument("threshold", threshold, "must be a number in [0, 1]")
+    rows = _rows(confidences)
+    for r, row in enumerate(rows):
+        for c in row:
+            if not _is_confidence(c):
+                raise _bad_row(r, row)
+    lengths = []
+    for row in rows:
+        n = 0
+        for c in row:
+            if c < threshold:
+                break
+            n += 1
+        lengths.append(n)
+    return lengths
+
+
+def fixed_schedule(confidences: Confidences, length: int | None = None) -> list[int]:
+    """Fixed length: every draft token (l_r = len(c_r)), or min(length, len(c_r)). Reads only the row
+    lengths, so a drafter without a confidence head may pass placeholder values."""
+    if length is not None and (not isinstance(length, numbers.Integral) or isinstance(length, bool) or length < 0):
+        raise InvalidArgument("length", length, "must be an integer >= 0 or None")
+    rows = _rows(confidences)
+    if length is None:
+        return [len(row) for row in rows]
+    return [min(int(length), len(row)) for row in rows]
+
+
+def gamma1_schedule(confidences: Confidences) -> list[int]:
+    """One draft token per request (an MTP-1-like setting), 0 for a request with no drafts. Reads only
+    the row lengths."""
+    return [min(1, len(row)) for row in _rows(confidences)]
+
+
+def ar_schedule(confidences: Confidences) -> list[int]:
+    """Autoregressive baseline: verify no drafts (every request advances by the target's own token)."""
+    return [0] * len(_rows(confidences))
+
+
+def retrospective_global_schedule(confidences: Confidences, sps: SpsLike) -> list[int]:
+    """BIASED, MUST NEVER SHIP. The best theta over every prefix of the *current* sorted pool (no early
+    stop). Whether position j is verified then depends on c_{r,j+1..}, which the drafter computed after
+    sampling x_j, so the output distribution is no longer the target's (paper Appendix A: target
+    (0.7, 0.3) comes out as (0.85, 0.15)). Kept only for tests and benchmarks that demonstrate the bias;
+    it is deliberately absent from `make_policy`.
+    """
+    rows = _rows(confidences)
+    fn = sps_callable(sps)
+    if not rows:
+        return []
+    pool = _Pool(rows)
+    return pool.lengths(pool.best_prefix(fn, early_stop=False))
+
+
+# -- policy selection --------------------------------------------------------------------------------
+
+POLICY_NAMES = ("causal", "async", "threshold", "fixed", "gamma1", "ar")
+
+
+def make_policy(name: str, **kw: Any) -> Policy:
+    """A policy by name, with one signature: policy(confidences, sps) -> lengths.
+
+    "causal" and "async" use sps; the baselines ignore it. Options: "threshold" needs `threshold=`;
+    "fixed" takes an optional `length=`. "async" returns a fresh `AsyncScheduler` (it keeps state, so
+    use one per verifier batch stream).
+    """
+    def no_options() -> None:
+        if kw:
+            key = sorted(kw)[0]
+            raise InvalidArgument(key, kw[key], f"is not an option of policy {name!r}")
+
+    if name == "causal":
+        no_options()
+        return causal_prefix_schedule
+    if name == "async":
+        no_options()
+        return AsyncScheduler()
+    if name == "threshold":
+        if "threshold" not in kw:
+            raise InvalidArgument("threshold", None, "is required by policy 'threshold'")
+        threshold = kw.pop("threshold")
+        no_options()
+        threshold_schedule([], threshold)  # validate now, not on the first round
+        return lambda confidences, sps=None: threshold_schedule(confidences, threshold)
+    if name == "fixed":
+        length = kw.pop("length", None)
+        no_options()
+        fixed_schedule([], length)
+        return lambda confidences, sps=None: fixed_schedule(confidences, length)
+    if name == "gamma1":
+        no_options()
+        return lambda confidences, sps=None: gamma1_schedule(confidences)
+    if name == "ar":
+        no_options()
+        return lambda confidences, sps=None: ar_schedule(confidences)
+    raise InvalidArgument("policy", name, f"must be one of {', '.join(POLICY_NAMES)}")
+
+
+# -- overhead measurement ----------------------------------------------------------------------------
+
+
+def benchmark_schedule_overhead(
+    num_requests: int = 64,
+    gamma: int = 7,
+    repeats: int = 200,
+    *,
+    sps: SpsLike | None = None,
+    policy: Callable[[Confidences, SpsLike], list[int]] = causal_prefix_schedule,
+    seed: int = 0,
+) -> float:
+    """Median wall time in seconds of one `policy(confidences, sps)` call on random confidences.
+
+    The default `sps` is flat (SPS = 1 at every B), the worst case: every candidate improves theta, so
+    the whole pool of num_requests * gamma candidates is walked without an early stop.
+    """
+    for key, value, low in (("num_requests", num_requests, 1), ("gamma", gamma, 0), ("repeats", repeats, 1)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+            raise InvalidArgument(key, value, f"must be an integer >= {low}")
+    rng = random.Random(seed)
+    confidences = [[rng.uniform(0.3, 1.0) for _ in range(gamma)] for _ in range(num_requests)]
+    if sps is None:
+        sps = SpsTable(batch_sizes=(1, 2), steps_per_second=(1.0, 1.0))
+    policy(confidences, sps)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        policy(confidences, sps)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
