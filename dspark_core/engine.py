@@ -15,6 +15,7 @@ It knows nothing about text: prompts and outputs are token ids.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -22,10 +23,11 @@ from typing import Callable
 
 import torch
 
-from .errors import InvalidArgument, NotFound
-from .sampling import SamplingParams, make_generator, sample_token
-from .target import Sequence, TargetRuntime
-from .verification import DraftBlock, verify_block
+from .errors import InvalidArgument, NotFound, ResourceExhausted
+from .sampling import SamplingParams, make_generator
+from .target import TargetRuntime
+from .verification import DraftBlock
+from .verifier import PrefillItem, StepResult, Verifier, VerifyItem
 
 # Policies that need per-position confidences from the drafter.
 _CONFIDENCE_POLICIES = ("causal", "async", "threshold")
@@ -63,9 +65,8 @@ class RequestState:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
     draft_generator: torch.Generator
-    seq: Sequence | None = None
+    on_verifier: bool = False
     draft_state: object = None
     # token ids generated so far (the last one is the anchor of the next round)
     output_ids: list[int] = field(default_factory=list)
@@ -114,6 +115,7 @@ class Engine:
     def __init__(self, target: TargetRuntime, drafter=None, config: EngineConfig = EngineConfig(),
                  sps: Callable[[int], float] | None = None):
         self.target, self.drafter, self.config = target, drafter, config
+        self.verifier = Verifier(target)
         self.sps = sps
         self.block_size = 0
         if drafter is not None:
@@ -161,14 +163,13 @@ class Engine:
         if bad:
             raise InvalidArgument("prompt_ids", bad[:5], f"must be token ids in [0, {self.target.vocab_size})")
         if len(self.waiting) >= self.config.max_waiting:
-            from .errors import ResourceExhausted
-
             raise ResourceExhausted(f"queue full: {len(self.waiting)} requests waiting (max_waiting)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidArgument("request_id", rid, "is already in use")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        req = RequestState(rid, list(prompt_ids), params, make_generator(seed), make_generator(seed ^ 0x5EED5EED))
+        params = dataclasses.replace(params, seed=seed)
+        req = RequestState(rid, list(prompt_ids), params, make_generator(seed ^ 0x5EED5EED))
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -193,9 +194,9 @@ class Engine:
         if req.finished:
             return
         req.finished, req.finish_reason, req.t_end = True, reason, time.perf_counter()
-        if req.seq is not None:
-            self.target.release(req.seq)
-            req.seq = None
+        if req.on_verifier:
+            self.verifier.release(req.request_id)
+            req.on_verifier = False
         req.draft_state = None
         if req in self.active:
             self.active.remove(req)
@@ -217,9 +218,6 @@ class Engine:
             self._finish(req, "length")
         return kept
 
-    def _stop_ids(self, req: RequestState) -> set[int]:
-        return set(req.params.stop_token_ids)
-
     # -- one step
     def step(self) -> list[StepEvent]:
         events: dict[str, list[int]] = {}
@@ -238,39 +236,33 @@ class Engine:
         joining, self.waiting = self.waiting[:room], self.waiting[room:]
         if not joining:
             return
-        for req in joining:
-            req.seq = self.target.new_sequence()
+        results = self.verifier.prefill([PrefillItem(r.request_id, tuple(r.prompt_ids), r.params) for r in joining])
+        for req, res in zip(joining, results):
+            req.on_verifier = True
+            self.active.append(req)
             if self.drafter is not None:
                 req.draft_state = self.drafter.new_state()
-        out = self.target.forward([(r.seq, r.prompt_ids) for r in joining], last_logits_only=True)
-        for i, req in enumerate(joining):
-            self.active.append(req)
-            first = sample_token(out.logits_of(i)[0], req.params, req.generator)
-            if self.drafter is not None:
-                req.pending_features, req.pending_start = out.taps_of(i), 0
-                req.pending_tokens = list(req.prompt_ids)
-            events[req.request_id] = self._emit(req, [first], first in self._stop_ids(req))
+            self._commit(req, res, events)
+
+    def _commit(self, req: RequestState, res: StepResult, events: dict[str, list[int]]) -> None:
+        """Record what the verifier committed; the drafter sees those positions' features next round."""
+        if self.drafter is not None:
+            req.pending_features, req.pending_start = res.features, res.features_start
+            req.pending_tokens = res.context_tokens
+        kept = self._emit(req, res.tokens, res.stopped)
+        events.setdefault(req.request_id, []).extend(kept)
 
     def _round(self, events: dict[str, list[int]]) -> None:
         reqs = list(self.active)
         drafts: list[DraftBlock] = [DraftBlock(tokens=())] * len(reqs)
         if self.drafter is not None:
             drafts = self._draft(reqs)
-        out = self.target.forward([(r.seq, [r.anchor, *d.tokens]) for r, d in zip(reqs, drafts)])
-        for i, (req, draft) in enumerate(zip(reqs, drafts)):
-            outcome = verify_block(out.logits_of(i), draft, req.params, req.generator)
-            a = outcome.num_accepted
-            start = req.anchor_pos
-            self.target.truncate(req.seq, start + a + 1)
-            req.accepted_per_round.append(a)
+        results = self.verifier.verify([VerifyItem(r.request_id, r.anchor, r.anchor_pos, d)
+                                        for r, d in zip(reqs, drafts)])
+        for req, draft, res in zip(reqs, drafts, results):
+            req.accepted_per_round.append(res.num_accepted)
             req.proposed_per_round.append(len(draft.tokens))
-            if self.drafter is not None:
-                taps = out.taps_of(i)
-                req.pending_features = taps[: a + 1]
-                req.pending_start = start
-                req.pending_tokens = [req.anchor, *draft.tokens[:a]]
-            kept = self._emit(req, list(outcome.tokens), outcome.stopped)
-            events.setdefault(req.request_id, []).extend(kept)
+            self._commit(req, res, events)
 
     def _draft(self, reqs: list[RequestState]) -> list[DraftBlock]:
         from .drafters.base import ProposeItem

@@ -1,0 +1,249 @@
+"""Lossless verification of drafted tokens (speculative sampling), per request and for a ragged batch.
+
+Given the target's logits at [anchor, d_1..d_n] and the draft distribution q_i each d_i was sampled
+from, decide which drafts to keep and which token comes next, so that the committed tokens are
+distributed exactly as plain sampling from the target (temperature, top-k and top-p applied by
+`dspark_core.sampling.target_probs`). Greedy requests accept while the draft equals the target argmax
+and draw no random numbers; sampled requests draw one uniform per tested draft and one for the final
+token, so a request with no drafts draws exactly what `sample_token` would.
+
+This module knows nothing about drafters, models, KV caches or tokenizers. It does not enforce
+`max_new_tokens`: the caller truncates a round that would run past it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_core.errors import InvalidArgument
+from dspark_core.sampling import SamplingParams, _inverse_cdf, _is_int, _uniform, sample_from_probs, target_probs
+
+_ROW_SUM_TOLERANCE = 1e-3  # a draft row summing further from 1 is a caller bug (logits passed as probs, ...)
+_MIN_RESIDUAL_MASS = 1e-12  # below this, max(0, p - q) is rounding noise: sample from p instead
+
+
+@dataclass(frozen=True, eq=False)
+class DraftBlock:
+    """The n tokens drafted for one request and, for sampled requests, the distribution each came from.
+
+    Row i of the support describes q_i: `support_probs[i, j]` is the draft probability of token
+    `support_ids[i, j]`; tokens outside the row have q = 0. Each drafted token must be in its row with
+    q > 0. Greedy requests may leave the support as None.
+    """
+
+    tokens: tuple[int, ...]
+    # [n, k] integer token ids (k >= 1 when n >= 1)
+    support_ids: torch.Tensor | None = None
+    # [n, k] float, each row sums to 1
+    support_probs: torch.Tensor | None = None
+    # q_i(d_i) for each draft, read from the support at construction (empty without a support)
+    draft_probs: tuple[float, ...] = field(init=False, repr=False)
+    # largest id in the support (-1 without a support), checked against the vocabulary at verification
+    max_support_id: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            tokens = tuple(self.tokens)
+        except TypeError:
+            raise InvalidArgument("tokens", self.tokens, "must be a sequence of token ids") from None
+        if not all(_is_int(t) and t >= 0 for t in tokens):
+            raise InvalidArgument("tokens", self.tokens, "must contain only integers >= 0")
+        tokens = tuple(int(t) for t in tokens)
+        object.__setattr__(self, "tokens", tokens)
+        ids, probs = self.support_ids, self.support_probs
+        if (ids is None) != (probs is None):
+            missing = "support_probs" if probs is None else "support_ids"
+            raise InvalidArgument(missing, None, "must be given together with the other support tensor")
+        if ids is None:
+            object.__setattr__(self, "draft_probs", ())
+            object.__setattr__(self, "max_support_id", -1)
+            return
+        n = len(tokens)
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidArgument("support_ids", type(ids).__name__ if not isinstance(ids, torch.Tensor)
+                                  else ids.dtype, "must be an int64 or int32 tensor")
+        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+            raise InvalidArgument("support_probs", type(probs).__name__ if not isinstance(probs, torch.Tensor)
+                                  else probs.dtype, "must be a floating-point tensor")
+        if ids.dim() != 2 or ids.shape[0] != n or (n > 0 and ids.shape[1] < 1):
+            raise InvalidArgument("support_ids", tuple(ids.shape), f"must have shape [{n}, k] with k >= 1")
+        if probs.shape != ids.shape:
+            raise InvalidArgument("support_probs", tuple(probs.shape), f"must match support_ids {tuple(ids.shape)}")
+        if probs.device != ids.device:
+            raise InvalidArgument("support_probs", str(probs.device), f"must be on support_ids' device {ids.device}")
+        if n == 0:
+            object.__setattr__(self, "draft_probs", ())
+            object.__setattr__(self, "max_support_id", -1)
+            return
+        drafted = torch.tensor(tokens, dtype=ids.dtype, device=ids.device)  # [n]
+        q64 = probs.double()  # [n, k]
+        at_draft = (q64 * (ids == drafted[:, None])).sum(dim=-1)  # [n] q_i(d_i)
+        checks = torch.stack([
+            torch.isfinite(q64).all().double(),
+            q64.min(),
+            (q64.sum(dim=-1) - 1.0).abs().max(),
+            ids.min().double(),
+            ids.max().double(),
+        ])  # [5]
+        values = torch.cat([checks, at_draft]).tolist()  # the one transfer to the host
+        (finite, q_min, sum_err, id_min, id_max), at_draft = values[:5], values[5:]
+        if not finite or q_min < 0:
+            raise InvalidArgument("support_probs", f"min {q_min}", "must hold finite probabilities >= 0")
+        if sum_err > _ROW_SUM_TOLERANCE:
+            raise InvalidArgument("support_probs", f"a row sum off by {sum_err:.3g}",
+                                  f"rows must each sum to 1 (within {_ROW_SUM_TOLERANCE})")
+        if id_min < 0:
+            raise InvalidArgument("support_ids", int(id_min), "must hold token ids >= 0")
+        for i, q in enumerate(at_draft):
+            if not q > 0:
+                raise InvalidArgument(f"tokens[{i}]", tokens[i],
+                                      "must be in row %d of support_ids with draft probability > 0" % i)
+        object.__setattr__(self, "draft_probs", tuple(at_draft))
+        object.__setattr__(self, "max_support_id", int(id_max))
+
+    def dense_row(self, i: int, vocab_size: int) -> torch.Tensor:
+        """q_i as a dense float32 vector [vocab_size], zero outside the support."""
+        assert self.support_ids is not None and self.support_probs is not None
+        ids, probs = self.support_ids[i].long(), self.support_probs[i].float()  # [k], [k]
+        return torch.zeros(vocab_size, dtype=torch.float32, device=ids.device).scatter_add_(0, ids, probs)
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """What one round commits for one request.
+
+    `tokens` is the accepted drafts then one recovered or bonus token, except when an accepted draft is a
+    stop token: the round ends right after it, with no further token. `num_accepted` counts the drafts in
+    `tokens`; drafts after an accepted stop token are not tested and not counted.
+    """
+
+    num_accepted: int
+    tokens: tuple[int, ...]
+    stopped: bool
+
+    def __post_init__(self) -> None:
+        extra = len(self.tokens) - self.num_accepted
+        if self.num_accepted < 0 or extra not in (0, 1) or (extra == 0 and not self.stopped):
+            raise InvalidArgument("num_accepted", self.num_accepted,
+                                  f"must be len(tokens) - 1, or len(tokens) after a stop; tokens {self.tokens}")
+
+
+def _finish(accepted: list[int], token: int, stop: tuple[int, ...]) -> VerifyOutcome:
+    """Append the recovered or bonus token to the accepted drafts."""
+    return VerifyOutcome(len(accepted), tuple(accepted) + (token,), token in stop)
+
+
+def _verify_greedy(tokens: tuple[int, ...], argmax: list[int], stop: tuple[int, ...]) -> VerifyOutcome:
+    """Accept while the draft equals the target argmax; argmax has one entry per row (n + 1)."""
+    accepted: list[int] = []
+    for i, d in enumerate(tokens):
+        if d != argmax[i]:
+            return _finish(accepted, argmax[i], stop)
+        accepted.append(d)
+        if d in stop:
+            return VerifyOutcome(len(accepted), tuple(accepted), True)
+    return _finish(accepted, argmax[len(tokens)], stop)
+
+
+def _verify_sampled(
+    # [n + 1, vocab_size]
+    target_logits: torch.Tensor,
+    draft: DraftBlock,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> VerifyOutcome:
+    tokens, stop = draft.tokens, params.stop_token_ids
+    n, vocab_size = len(tokens), target_logits.shape[1]
+    probs = target_probs(target_logits, params)  # [n + 1, vocab_size] float32
+    if n == 0:
+        return _finish([], sample_from_probs(probs[0], generator), stop)
+    drafted = torch.tensor(tokens, dtype=torch.long, device=probs.device)  # [n]
+    p_at_draft = probs[:n].gather(1, drafted[:, None]).squeeze(1).tolist()  # n floats, p_i(d_i)
+    q_at_draft = draft.draft_probs
+    accepted: list[int] = []
+    for i, d in enumerate(tokens):
+        u = _uniform(generator, probs.device).item()
+        if u < p_at_draft[i] / q_at_draft[i]:  # accept with probability min(1, p/q)
+            accepted.append(d)
+            if d in stop:
+                return VerifyOutcome(len(accepted), tuple(accepted), True)
+            continue
+        residual = (probs[i] - draft.dense_row(i, vocab_size)).clamp_(min=0.0)  # [vocab_size]
+        if residual.sum().item() <= _MIN_RESIDUAL_MASS:
+            residual = probs[i]
+        return _finish(accepted, _inverse_cdf(residual, _uniform(generator, probs.device)), stop)
+    return _finish(accepted, sample_from_probs(probs[n], generator), stop)
+
+
+def _check_block(num_rows: int, vocab_size: int, draft: DraftBlock, params: SamplingParams,
+                 name: str, value: object) -> None:
+    n = len(draft.tokens)
+    if num_rows != n + 1:
+        raise InvalidArgument(name, value, f"must give n + 1 = {n + 1} rows for {n} draft tokens")
+    if n and max(draft.tokens) >= vocab_size:
+        raise InvalidArgument("tokens", draft.tokens, f"must be < vocab_size {vocab_size}")
+    if params.greedy or n == 0:
+        return
+    if draft.support_ids is None:
+        raise InvalidArgument("support_probs", None, "is required for sampled (temperature > 0) requests")
+    if draft.max_support_id >= vocab_size:
+        raise InvalidArgument("support_ids", draft.max_support_id, f"must be < vocab_size {vocab_size}")
+
+
+def verify_block(
+    # [n + 1, vocab_size] raw target logits at [anchor, d_1..d_n]; row i predicts the token after position i
+    target_logits: torch.Tensor,
+    draft: DraftBlock,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> VerifyOutcome:
+    """Verify one request's draft block; the committed tokens are distributed as plain sampling."""
+    if target_logits.dim() != 2:
+        raise InvalidArgument("target_logits", tuple(target_logits.shape), "must be 2-D [n + 1, vocab_size]")
+    _check_block(target_logits.shape[0], target_logits.shape[1], draft, params,
+                 "target_logits", tuple(target_logits.shape))
+    if params.greedy:
+        return _verify_greedy(draft.tokens, target_logits.argmax(dim=-1).tolist(), params.stop_token_ids)
+    return _verify_sampled(target_logits, draft, params, generator)
+
+
+def verify_batch(
+    # [total_tokens, vocab_size] raw target logits, requests concatenated
+    logits: torch.Tensor,
+    # [num_requests + 1] cumulative row offsets, starting at 0 and ending at total_tokens
+    cu_seqlens: torch.Tensor,
+    drafts: Sequence[DraftBlock],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> list[VerifyOutcome]:
+    """Verify a ragged batch: request r owns rows cu_seqlens[r]:cu_seqlens[r + 1] of `logits`.
+
+    Results equal calling `verify_block` per request. Greedy requests share one argmax over all rows and
+    one transfer to the host; sampled requests compute target probabilities on their own rows only.
+    """
+    if logits.dim() != 2:
+        raise InvalidArgument("logits", tuple(logits.shape), "must be 2-D [total_tokens, vocab_size]")
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.shape[0] < 1:
+        raise InvalidArgument("cu_seqlens", tuple(cu_seqlens.shape), "must be a 1-D integer tensor [num_requests + 1]")
+    offsets = cu_seqlens.tolist()
+    num_requests = len(offsets) - 1
+    for name, seq in (("drafts", drafts), ("params", params), ("generators", generators)):
+        if len(seq) != num_requests:
+            raise InvalidArgument(name, len(seq), f"must have one entry per request ({num_requests})")
+    if offsets[0] != 0 or offsets[-1] != logits.shape[0] or any(a > b for a, b in zip(offsets, offsets[1:])):
+        raise InvalidArgument("cu_seqlens", offsets, f"must rise from 0 to total_tokens {logits.shape[0]}")
+    vocab_size = logits.shape[1]
+    argmax = logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else None
+    outcomes = []
+    for r in range(num_requests):
+        start, end = offsets[r], offsets[r + 1]
+        _check_block(end - start, vocab_size, drafts[r], params[r], f"cu_seqlens[{r}:{r + 2}]", [start, end])
+        if params[r].greedy:
+            assert argmax is not None
+            outcomes.append(_verify_greedy(drafts[r].tokens, argmax[start:end], params[r].stop_token_ids))
+        else:
+            outcomes.append(_verify_sampled(logits[start:end], drafts[r], params[r], generators[r]))
+    return outcomes

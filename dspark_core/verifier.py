@@ -1,0 +1,164 @@
+"""The verifier side of a round: prefill and batched ragged verification on the target, per request.
+
+`Verifier` owns the target runtime and, for every request it serves, the request's KV cache, sampling
+parameters and random generator. It is the unit the embedded engine calls in-process and the verifier
+service wraps over gRPC, so both deployments run the same code:
+- `prefill(items)`: one batched forward over whole prompts; samples each request's first token (the
+  anchor) and returns the prompt positions' tapped features for the drafter;
+- `verify(items)`: one batched forward over each request's `[anchor, d_1..d_l]`, lossless acceptance,
+  rollback of the KV cache to the accepted prefix, and the committed positions' features;
+- `resume(...)`: rebuild a request's KV cache from its committed tokens (failover to this replica);
+- `release(request_id)`: free it.
+
+Knows nothing about drafters, scheduling, text or networking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidArgument, NotFound
+from .sampling import SamplingParams, make_generator, sample_token
+from .target import Sequence, TargetRuntime
+from .verification import DraftBlock, verify_block
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    request_id: str
+    anchor: int  # newest committed token, not yet in the KV cache
+    anchor_pos: int  # its position; the KV cache is rolled back to exactly this length first
+    draft: DraftBlock
+
+
+@dataclass
+class StepResult:
+    """What the target committed for one request in a prefill or verify call."""
+
+    request_id: str
+    # tokens committed this call: accepted drafts then the recovered / bonus token (prefill: the first token)
+    tokens: list[int]
+    num_accepted: int
+    stopped: bool  # a stop token was committed (the output ends with it)
+    # [n, num_taps * hidden] target features of the positions that became context this call
+    # (prefill: the prompt; verify: the anchor and the accepted drafts)
+    features: torch.Tensor
+    features_start: int  # position of features[0]
+    context_tokens: list[int]  # the tokens at those positions
+
+
+@dataclass(eq=False)
+class _Slot:
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator
+
+
+def _seed_for(params: SamplingParams, position: int) -> int | None:
+    """A resumed request continues from a generator keyed by (seed, position): reproducible, still exact."""
+    if params.seed is None:
+        return None
+    return (params.seed * 1_000_003 + position) % (2**63)
+
+
+class Verifier:
+    def __init__(self, target: TargetRuntime):
+        self.target = target
+        self._slots: dict[str, _Slot] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._slots
+
+    @property
+    def num_active(self) -> int:
+        return len(self._slots)
+
+    def _check_prompt(self, request_id: str, ids) -> None:
+        if not ids:
+            raise InvalidArgument("prompt_ids", list(ids), "must not be empty")
+        if len(ids) >= self.target.max_context:
+            raise InvalidArgument("prompt_ids", f"{len(ids)} tokens",
+                                  f"must be shorter than the context window ({self.target.max_context} tokens)")
+        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise InvalidArgument("prompt_ids", bad[:5], f"must be token ids in [0, {self.target.vocab_size})")
+        if request_id in self._slots:
+            raise InvalidArgument("request_id", request_id, "is already active on this verifier")
+
+    def prefill(self, items: list[PrefillItem]) -> list[StepResult]:
+        for it in items:
+            self._check_prompt(it.request_id, it.prompt_ids)
+        slots = [_Slot(self.target.new_sequence(), it.params, make_generator(it.params.seed)) for it in items]
+        try:
+            out = self.target.forward([(s.seq, list(it.prompt_ids)) for s, it in zip(slots, items)],
+                                      last_logits_only=True)
+        except Exception:
+            for s in slots:
+                self.target.release(s.seq)
+            raise
+        results = []
+        for i, (it, s) in enumerate(zip(items, slots)):
+            self._slots[it.request_id] = s
+            first = sample_token(out.logits_of(i)[0], s.params, s.generator)
+            results.append(StepResult(it.request_id, [first], 0, first in s.params.stop_token_ids,
+                                      out.taps_of(i), 0, list(it.prompt_ids)))
+        return results
+
+    def resume(self, request_id: str, prompt_ids, generated_ids, params: SamplingParams) -> StepResult:
+        """Rebuild the KV cache of a request whose committed tokens are known (its anchor is the last one).
+
+        Returns the features of every position before the anchor, for a drafter that lost its state too.
+        """
+        ids = list(prompt_ids) + list(generated_ids)
+        if not generated_ids:
+            raise InvalidArgument("generated_ids", list(generated_ids), "must hold at least the anchor token")
+        self._check_prompt(request_id, ids[:-1])
+        s = _Slot(self.target.new_sequence(), params, make_generator(_seed_for(params, len(ids))))
+        try:
+            out = self.target.forward([(s.seq, ids[:-1])], last_logits_only=True)
+        except Exception:
+            self.target.release(s.seq)
+            raise
+        self._slots[request_id] = s
+        return StepResult(request_id, [], 0, False, out.taps_of(0), 0, ids[:-1])
+
+    def verify(self, items: list[VerifyItem]) -> list[StepResult]:
+        slots = []
+        for it in items:
+            s = self._slots.get(it.request_id)
+            if s is None:
+                raise NotFound(f"request {it.request_id!r} is not active on this verifier")
+            if not 0 <= it.anchor_pos <= s.seq.length:
+                raise InvalidArgument("anchor_pos", it.anchor_pos,
+                                      f"must be <= the cached length {s.seq.length} of {it.request_id!r}")
+            if it.anchor_pos + 1 + len(it.draft.tokens) > self.target.max_context:
+                raise InvalidArgument("draft", f"{len(it.draft.tokens)} tokens",
+                                      f"must fit in the context window ({self.target.max_context})")
+            # Idempotent retries: whatever a lost reply committed is rolled back first.
+            self.target.truncate(s.seq, it.anchor_pos)
+            slots.append(s)
+        out = self.target.forward([(s.seq, [it.anchor, *it.draft.tokens]) for s, it in zip(slots, items)])
+        results = []
+        for i, (it, s) in enumerate(zip(items, slots)):
+            outcome = verify_block(out.logits_of(i), it.draft, s.params, s.generator)
+            a = outcome.num_accepted
+            self.target.truncate(s.seq, it.anchor_pos + a + 1)
+            results.append(StepResult(it.request_id, list(outcome.tokens), a, outcome.stopped,
+                                      out.taps_of(i)[: a + 1], it.anchor_pos, [it.anchor, *it.draft.tokens[:a]]))
+        return results
+
+    def release(self, request_id: str) -> bool:
+        s = self._slots.pop(request_id, None)
+        if s is None:
+            return False
+        self.target.release(s.seq)
+        return True
