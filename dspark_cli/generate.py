@@ -8,6 +8,7 @@ import sys
 import time
 
 from dspark_core.errors import InvalidArgument
+from dspark_core.text import encode_prompt
 
 from .models import DRAFTER_NAMES, default_target, load_stack, resolve_drafter_path
 
@@ -47,15 +48,6 @@ def parse_prompt_ids(text: str) -> list[int]:
     if not ids:
         raise InvalidArgument("--prompt-ids", text, "must name at least one token id")
     return ids
-
-
-def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
-    if tokenizer is None:
-        raise InvalidArgument("prompt", prompt, "needs a tokenizer; this model has none, pass --prompt-ids")
-    if not raw and getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(prompt, add_special_tokens=False)
 
 
 class TextStreamer:

@@ -21,11 +21,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import generate
+    from . import generate, profile
 
     parser = _Parser(prog="dspark", description="DSpark: confidence-scheduled speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     generate.add_parser(sub)
+    profile.add_parser(sub)
+    from . import client, serve
+    serve.add_parser(sub), client.add_parser(sub)
     return parser
 
 

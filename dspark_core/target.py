@@ -93,6 +93,8 @@ class RaggedOutput:
     cu_seqlens: torch.Tensor
     # which rows carry logits: all appended positions, or only each sequence's last one
     last_only: bool = False
+    # [num_tokens, hidden] final (post-norm) hidden states, when asked for (training caches)
+    final_hidden: torch.Tensor | None = None
 
     def logits_of(self, r: int) -> torch.Tensor:
         if self.last_only:
@@ -297,10 +299,12 @@ class TargetRuntime:
 
     # -- the forward pass
     @torch.no_grad()
-    def forward(self, batch: list[tuple[Sequence, list[int]]], last_logits_only: bool = False) -> RaggedOutput:
+    def forward(self, batch: list[tuple[Sequence, list[int]]], last_logits_only: bool = False,
+                return_final_hidden: bool = False) -> RaggedOutput:
         """Append each sequence's tokens in one batched pass. Returns logits and taps per new position.
 
         With `last_logits_only` (prefill), logits are computed only at each sequence's last position.
+        With `return_final_hidden`, also the post-norm hidden state of every new position.
         """
         if not batch:
             raise InvalidArgument("batch", batch, "must hold at least one sequence")
@@ -350,6 +354,7 @@ class TargetRuntime:
         else:
             h = out.last_hidden_state[valid]  # [num_tokens, hidden]
         logits = self._lm_head(h).float()
+        final_hidden = out.last_hidden_state[valid] if return_final_hidden else None
         taps = h.new_zeros((int(valid.sum()), 0))
         if self.config.tap_layer_ids:
             # [n, q, num_taps * hidden] -> [num_tokens, num_taps * hidden]
@@ -372,6 +377,9 @@ class TargetRuntime:
                 logits = logits[rows.to(self.device)]
             rows = torch.cat([torch.arange(cu_sorted[inverse[i]], cu_sorted[inverse[i] + 1]) for i in range(n)])
             taps = taps[rows.to(self.device)]
+            if final_hidden is not None:
+                final_hidden = final_hidden[rows.to(self.device)]
         cu = torch.zeros(n + 1, dtype=torch.long)
         cu[1:] = torch.cumsum(torch.tensor(counts), 0)
-        return RaggedOutput(logits=logits, taps=taps, cu_seqlens=cu, last_only=last_logits_only)
+        return RaggedOutput(logits=logits, taps=taps, cu_seqlens=cu, last_only=last_logits_only,
+                            final_hidden=final_hidden)

@@ -1,0 +1,101 @@
+"""`dspark client generate --address HOST:PORT "PROMPT"`: one request to a running scheduler over gRPC.
+
+Streams text as it arrives, or prints the same JSON fields as `dspark generate --json`. A status error
+from the server (bad input, overload, unavailable) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from dspark_core.errors import InvalidArgument
+
+from .generate import add_sampling_args, parse_prompt_ids, sampling_params
+
+_FINISH = {1: "stop", 2: "length", 3: "context_length"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("client", help="talk to a running scheduler", description="gRPC client of SchedulerService.")
+    which = p.add_subparsers(dest="action", required=True, parser_class=type(p), metavar="ACTION")
+    g = which.add_parser("generate", help="generate a continuation of PROMPT on a scheduler")
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt text (tokenized by the server, no chat template)")
+    g.add_argument("--address", default="127.0.0.1:50051", help="scheduler host:port (default 127.0.0.1:50051)")
+    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text")
+    g.add_argument("--model", default="", help="model name (default: the server's)")
+    g.add_argument("--request-id", default="", help="client-chosen request id")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default 600)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_sampling_args(g)
+    g.set_defaults(func=run)
+
+
+def build_request(args):
+    from dspark_protos.dspark.v1 import types_pb2
+
+    from services.common.convert import params_to_proto
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise InvalidArgument("prompt", args.prompt, "give exactly one of PROMPT or --prompt-ids")
+    params = sampling_params(args)  # validated here: the wire cannot carry e.g. a negative top_k
+    req = types_pb2.GenerateRequest(model=args.model, request_id=args.request_id)
+    if args.prompt_ids is not None:
+        req.prompt_token_ids.token_ids.extend(parse_prompt_ids(args.prompt_ids))
+    else:
+        req.prompt_text = args.prompt
+    params_to_proto(params, req.sampling)
+    if args.seed is None:
+        req.sampling.ClearField("seed")
+    return req
+
+
+def run(args) -> int:
+    import grpc
+
+    from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc
+
+    from services.common.server import CHANNEL_OPTIONS
+
+    req = build_request(args)
+    t0 = time.perf_counter()
+    tokens, accepted, text, last = [], [], [], None
+    with grpc.insecure_channel(args.address, options=CHANNEL_OPTIONS) as ch:
+        stub = scheduler_service_pb2_grpc.SchedulerServiceStub(ch)
+        try:
+            for chunk in stub.Generate(req, timeout=args.timeout):
+                tokens.extend(chunk.token_ids)
+                text.append(chunk.text_delta)
+                if chunk.HasField("round"):
+                    accepted.append(chunk.round.num_accepted)
+                if not args.json and chunk.text_delta:
+                    sys.stdout.write(chunk.text_delta)
+                    sys.stdout.flush()
+                last = chunk
+        except grpc.RpcError as exc:
+            if not args.json and text:
+                print()
+            print(f"dspark client: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    wall = time.perf_counter() - t0
+    full = "".join(text)
+    if args.json:
+        s = last.summary
+        rounds = s.num_rounds
+        print(json.dumps({
+            "text": full if (full or args.prompt_ids is None) else None,
+            "token_ids": tokens,
+            "num_rounds": rounds,
+            "accepted_per_round": accepted,
+            "tau": (sum(accepted) + rounds) / rounds if rounds else None,
+            "tokens_per_second": round(len(tokens) / wall, 3),
+            "prompt_tokens": s.prompt_tokens,
+            "finish_reason": _FINISH.get(last.finish_reason),
+            "request_id": last.request_id,
+        }))
+    elif full:
+        print()
+    else:
+        print(" ".join(map(str, tokens)))
+    return 0

@@ -1,0 +1,70 @@
+"""`dspark profile`: measure the target's SPS(B) curve and save it beside the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dspark_core.errors import InvalidArgument
+
+from .models import default_target
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure the target's verification steps per second SPS(B)",
+                       description="Measure SPS(B), verification steps per second with B tokens per forward "
+                                   "pass, and save it as a cost table (sps.json) beside the model.")
+    p.add_argument("--target", default=None, help="target model directory (default: bundled)")
+    p.add_argument("--max-batch", type=int, default=64, help="largest B in tokens (default 64)")
+    p.add_argument("--context-length", type=int, default=256, help="context per sequence (default 256)")
+    p.add_argument("--block", type=int, default=8, help="tokens each sequence verifies (default 8)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per B; the median counts (default 7)")
+    p.add_argument("--out", default=None, help="where to write the table (default: TARGET/sps.json)")
+    p.add_argument("--plot", default=None, help="PNG path for the curve (default: beside --out)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from dspark_core.cost_model import plot_sps, profile_sps
+    from dspark_core.profiling import VerifyStepBench
+    from dspark_core.target import TargetConfig, TargetRuntime
+
+    if args.max_batch < 1:
+        raise InvalidArgument("--max-batch", args.max_batch, "must be >= 1")
+    target_dir = args.target or default_target()
+    target = TargetRuntime(TargetConfig(target_dir, device=args.device, dtype=args.dtype))
+    bench = VerifyStepBench(target, context_length=args.context_length, block=args.block)
+    sizes = list(range(1, args.max_batch + 1))
+    bar = tqdm(total=len(sizes), desc="profile", unit="B")
+
+    def step(b: int) -> None:
+        bench(b)
+
+    # profile each B on its own so the bar moves; the harness takes the median of the repeats
+    tables = []
+    for b in sizes:
+        tables.append(profile_sps(step, [b], repeats=args.repeats, warmup=2))
+        bar.update(1)
+    bar.close()
+    bench.close()
+    from dspark_core.cost_model import SpsTable
+
+    table = SpsTable(batch_sizes=tuple(sizes), steps_per_second=tuple(t.steps_per_second[0] for t in tables),
+                     device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
+                     context_length=args.context_length, model=target.name)
+    out = Path(args.out) if args.out else Path(target_dir) / "sps.json"
+    table.save(out)
+    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+    plot_sps(table, plot)
+    if args.json:
+        print(table.to_json())
+    else:
+        s1, sb = table(1), table(args.max_batch)
+        print(f"SPS(1) = {s1:.1f} steps/s, SPS({args.max_batch}) = {sb:.1f} steps/s "
+              f"({args.max_batch * sb / s1:.1f}x the tokens/s of B=1); saved {out} and {plot}")
+    return 0

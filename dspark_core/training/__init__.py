@@ -1,0 +1,1 @@
+"""Drafter training: prompt sets, self-distilled responses, the target cache, losses and the trainer."""

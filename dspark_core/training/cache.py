@@ -1,0 +1,197 @@
+"""The target cache: what the target computed for every training sequence, stored once, read every epoch.
+
+Per sequence we keep the tapped-layer features `[T, L*H]` (the drafter's context input) and the final
+post-norm hidden state `[T, H]` (target distributions are recomputed from it through the frozen LM head
+at train time, only at label positions — no logits are stored). Shards are safetensors files holding
+many sequences as flat token tensors plus offsets; `manifest.json` ties them together and records what
+the cache is compatible with (target, tapped layers, hidden size, vocabulary).
+
+Several ranks may build one cache together: rank r caches samples r, r + W, r + 2W... into its own
+shards and writes `manifest-rank{r}.json`; `merge_manifests` (rank 0, after all ranks finished) writes
+the combined `manifest.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..errors import InvalidArgument
+from .data import Sample
+
+FORMAT = "dspark-target-cache/1"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class CacheManifest:
+    target: str
+    tap_layer_ids: list[int]
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    num_samples: int = 0
+    num_tokens: int = 0
+    # [{"file": name, "num_samples": n, "num_tokens": t, "sample_ids": [...]}] in sample order per shard
+    shards: list[dict] = field(default_factory=list)
+    format: str = FORMAT
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "CacheManifest":
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InvalidArgument("cache", str(path), f"must be a readable cache manifest ({exc})") from None
+        if data.get("format") != FORMAT:
+            raise InvalidArgument("cache", str(path), f"has format {data.get('format')!r}, expected {FORMAT!r}")
+        return cls(**data)
+
+
+def estimate_cache_bytes(num_tokens: int, num_taps: int, hidden_size: int, dtype: str = "bfloat16") -> int:
+    """Bytes on disk for `num_tokens` positions: features + final hidden + ids and mask."""
+    width = torch.tensor([], dtype=_DTYPES[dtype]).element_size()
+    return num_tokens * ((num_taps + 1) * hidden_size * width + 4 + 1)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def build_target_cache(target, samples: list[Sample], out_dir: str | Path, *, dtype: str = "bfloat16",
+                       shard_tokens: int = 1 << 18, batch_tokens: int = 4096, rank: int = 0, world_size: int = 1,
+                       progress: bool = True) -> CacheManifest:
+    """Run the target over this rank's samples and write shards + this rank's manifest."""
+    if dtype not in _DTYPES:
+        raise InvalidArgument("dtype", dtype, f"must be one of {', '.join(_DTYPES)}")
+    if not target.config.tap_layer_ids:
+        raise InvalidArgument("tap_layer_ids", (), "the target must tap the drafter's layers to build a cache")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mine = list(range(rank, len(samples), world_size))
+    manifest = CacheManifest(target=target.name, tap_layer_ids=list(target.config.tap_layer_ids),
+                             hidden_size=target.hidden_size, vocab_size=target.vocab_size, dtype=dtype)
+    bar = tqdm(total=len(mine), desc=f"cache[rank {rank}]", unit="seq", disable=not progress)
+    buf: dict[str, list] = {"ids": [], "mask": [], "feat": [], "hid": [], "sid": []}
+
+    def flush():
+        if not buf["sid"]:
+            return
+        lengths = [len(x) for x in buf["ids"]]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        name = f"shard-rank{rank}-{len(manifest.shards):05d}.safetensors"
+        save_file({
+            "input_ids": torch.cat(buf["ids"]).to(torch.int32),  # [num_tokens]
+            "loss_mask": torch.cat(buf["mask"]).to(torch.uint8),  # [num_tokens]
+            "features": torch.cat(buf["feat"]).contiguous(),  # [num_tokens, L * H]
+            "final_hidden": torch.cat(buf["hid"]).contiguous(),  # [num_tokens, H]
+            "offsets": offsets,  # [num_samples + 1]
+        }, str(out / name))
+        manifest.shards.append({"file": name, "num_samples": len(lengths), "num_tokens": int(offsets[-1]),
+                                "sample_ids": list(buf["sid"])})
+        for v in buf.values():
+            v.clear()
+
+    i = 0
+    while i < len(mine):
+        batch, tokens = [], 0
+        while i < len(mine) and (not batch or tokens + len(samples[mine[i]].input_ids) <= batch_tokens):
+            batch.append(mine[i])
+            tokens += len(samples[mine[i]].input_ids)
+            i += 1
+        seqs = [target.new_sequence() for _ in batch]
+        try:
+            res = target.forward([(s, samples[j].input_ids) for s, j in zip(seqs, batch)], return_final_hidden=True)
+        finally:
+            for s in seqs:
+                target.release(s)
+        for r, j in enumerate(batch):
+            lo, hi = int(res.cu_seqlens[r]), int(res.cu_seqlens[r + 1])
+            buf["ids"].append(torch.tensor(samples[j].input_ids))
+            buf["mask"].append(torch.tensor(samples[j].loss_mask))
+            buf["feat"].append(res.taps[lo:hi].to("cpu", _DTYPES[dtype]))
+            buf["hid"].append(res.final_hidden[lo:hi].to("cpu", _DTYPES[dtype]))
+            buf["sid"].append(j)
+            manifest.num_samples += 1
+            manifest.num_tokens += hi - lo
+        if sum(len(x) for x in buf["ids"]) >= shard_tokens:
+            flush()
+        bar.update(len(batch))
+    flush()
+    bar.close()
+    manifest.save(out / (f"manifest-rank{rank}.json" if world_size > 1 else "manifest.json"))
+    return manifest
+
+
+def merge_manifests(out_dir: str | Path, world_size: int) -> CacheManifest:
+    """Combine the per-rank manifests into `manifest.json` (call once, after every rank finished)."""
+    out = Path(out_dir)
+    parts = [CacheManifest.load(out / f"manifest-rank{r}.json") for r in range(world_size)]
+    head = parts[0]
+    for p in parts[1:]:
+        if (p.tap_layer_ids, p.hidden_size, p.vocab_size, p.dtype) != (head.tap_layer_ids, head.hidden_size,
+                                                                      head.vocab_size, head.dtype):
+            raise InvalidArgument("cache", str(out), "ranks disagree on tapped layers, hidden size, vocab or dtype")
+    merged = CacheManifest(target=head.target, tap_layer_ids=head.tap_layer_ids, hidden_size=head.hidden_size,
+                           vocab_size=head.vocab_size, dtype=head.dtype,
+                           num_samples=sum(p.num_samples for p in parts), num_tokens=sum(p.num_tokens for p in parts),
+                           shards=[s for p in parts for s in p.shards])
+    merged.save(out / "manifest.json")
+    return merged
+
+
+class TargetCache:
+    """Read access to a cache: `cache[i]` is one sequence's tensors, in global sample order."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = CacheManifest.load(self.path / "manifest.json")
+        self._index: list[tuple[int, int]] = []  # sample id -> (shard, row)
+        by_id = {}
+        for si, shard in enumerate(self.manifest.shards):
+            for row, sid in enumerate(shard["sample_ids"]):
+                by_id[sid] = (si, row)
+        self._index = [by_id[k] for k in sorted(by_id)]
+        self._open: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def check_compatible(self, tap_layer_ids, hidden_size: int, vocab_size: int | None = None) -> None:
+        """Refuse a drafter whose tapped layers or sizes differ from what the cache holds."""
+        m = self.manifest
+        if list(tap_layer_ids) != list(m.tap_layer_ids):
+            raise InvalidArgument("target_layer_ids", list(tap_layer_ids),
+                                  f"must match the cache's tapped layers {m.tap_layer_ids} ({self.path})")
+        if hidden_size != m.hidden_size:
+            raise InvalidArgument("hidden_size", hidden_size, f"must match the cache's {m.hidden_size} ({self.path})")
+        if vocab_size is not None and vocab_size != m.vocab_size:
+            raise InvalidArgument("vocab_size", vocab_size, f"must match the cache's {m.vocab_size} ({self.path})")
+
+    def _shard(self, si: int) -> dict[str, torch.Tensor]:
+        if si not in self._open:
+            with safe_open(str(self.path / self.manifest.shards[si]["file"]), framework="pt") as f:
+                self._open[si] = {k: f.get_tensor(k) for k in f.keys()}
+            if len(self._open) > 8:  # bounded memory: keep a few shards
+                self._open.pop(next(iter(self._open)))
+        return self._open[si]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        si, row = self._index[i]
+        t = self._shard(si)
+        lo, hi = int(t["offsets"][row]), int(t["offsets"][row + 1])
+        return {"input_ids": t["input_ids"][lo:hi].long(), "loss_mask": t["loss_mask"][lo:hi].bool(),
+                "features": t["features"][lo:hi], "final_hidden": t["final_hidden"][lo:hi]}

@@ -1,0 +1,87 @@
+"""Prompt split, self-distillation through the engine, and the target cache round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark_core.errors import InvalidArgument
+from dspark_core.target import TargetConfig, TargetRuntime
+from dspark_core.training.cache import TargetCache, build_target_cache, estimate_cache_bytes, merge_manifests
+from dspark_core.training.data import Prompt, Sample, distill, load_prompts, split
+
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"turns": [t, "second turn ignored"]}) + "\n" for t in texts))
+    return path
+
+
+def test_split_is_fixed_disjoint_and_order_independent(tmp_path):
+    texts = [f"question number {i}" for i in range(400)]
+    a = load_prompts(write_jsonl(tmp_path / "mbpp.jsonl", texts))
+    b = load_prompts(write_jsonl(tmp_path / "mbpp2.jsonl", texts[::-1]))
+    train_a, eval_a = split(a)
+    train_b, eval_b = split(b)
+    assert {p.text for p in eval_a} == {p.text for p in eval_b}
+    assert not {p.text for p in train_a} & {p.text for p in eval_a}
+    assert 0.12 < len(eval_a) / len(a) < 0.28
+    assert a[0].domain == "code" and a[0].text == "question number 0"
+
+
+def test_bad_prompt_file_names_file_and_line(tmp_path):
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"turns": ["ok"]}\n{"nope": 1}\n')
+    with pytest.raises(InvalidArgument, match="x.jsonl:2"):
+        load_prompts(f)
+
+
+def test_distilled_responses_are_the_targets_own(tiny_target_dir):
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
+    prompts = [Prompt("def add(a, b):", "mbpp", "code"), Prompt("What is 12 * 7?", "math500", "math")]
+    samples = distill(target, prompts, max_new_tokens=6, temperature=0.0, progress=False)
+    assert len(samples) == 2 and all(1 <= len(s.response_ids) <= 6 for s in samples)
+    assert samples[1].domain == "math"
+    # greedy distillation reproduces the target's greedy continuation
+    from dspark_core.engine import Engine, EngineConfig
+    from dspark_core.sampling import SamplingParams
+
+    ref = Engine(target, None, EngineConfig(policy="ar")).generate(
+        samples[0].prompt_ids, SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=target.eos_token_ids))
+    assert ref.output_ids == samples[0].response_ids
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cache_round_trip_matches_a_direct_forward(tiny_target_dir, tmp_path, world_size):
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32", tap_layer_ids=(0, 1)))
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(0, 200, (n,), generator=g).tolist(), torch.randint(0, 200, (m,), generator=g).tolist())
+               for n, m in [(5, 7), (9, 3), (4, 12)]]
+    for rank in range(world_size):
+        build_target_cache(target, samples, tmp_path, dtype="float32", batch_tokens=20, rank=rank,
+                           world_size=world_size, progress=False)
+    if world_size > 1:
+        merge_manifests(tmp_path, world_size)
+    cache = TargetCache(tmp_path)
+    assert len(cache) == 3 and cache.manifest.num_tokens == sum(len(s.input_ids) for s in samples)
+    for i, s in enumerate(samples):
+        seq = target.new_sequence()
+        out = target.forward([(seq, s.input_ids)], return_final_hidden=True)
+        target.release(seq)
+        row = cache[i]
+        assert row["input_ids"].tolist() == s.input_ids and row["loss_mask"].tolist() == s.loss_mask
+        torch.testing.assert_close(row["features"], out.taps, atol=1e-5, rtol=0)
+        torch.testing.assert_close(row["final_hidden"], out.final_hidden, atol=1e-5, rtol=0)
+    assert estimate_cache_bytes(100, 2, 64, "float32") == 100 * (3 * 64 * 4 + 5)
+
+
+def test_cache_refuses_a_mismatched_drafter(tiny_target_dir, tmp_path):
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32", tap_layer_ids=(0, 1)))
+    build_target_cache(target, [Sample([1, 2, 3], [4, 5])], tmp_path, progress=False)
+    cache = TargetCache(tmp_path)
+    cache.check_compatible((0, 1), 64, target.vocab_size)
+    with pytest.raises(InvalidArgument, match="target_layer_ids"):
+        cache.check_compatible((0, 2), 64)
+    with pytest.raises(InvalidArgument, match="hidden_size"):
+        cache.check_compatible((0, 1), 128)
