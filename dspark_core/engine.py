@@ -113,9 +113,11 @@ class Engine:
     """Runs many requests' speculative decoding over one target and at most one drafter."""
 
     def __init__(self, target: TargetRuntime, drafter=None, config: EngineConfig = EngineConfig(),
-                 sps: Callable[[int], float] | None = None):
+                 sps: Callable[[int], float] | None = None, verifier=None):
+        """`target` may be any object with `config.tap_layer_ids`, `max_context` and `vocab_size` when a
+        `verifier` is given: anything with Verifier's prefill / verify / release (e.g. a remote client)."""
         self.target, self.drafter, self.config = target, drafter, config
-        self.verifier = Verifier(target)
+        self.verifier = verifier if verifier is not None else Verifier(target)
         self.sps = sps
         self.block_size = 0
         if drafter is not None:
@@ -123,7 +125,7 @@ class Engine:
                 raise InvalidArgument("tap_layer_ids", target.config.tap_layer_ids,
                                       f"must equal the drafter's target_layer_ids {tuple(drafter.target_layer_ids)}")
             self.block_size = config.block_size or drafter.block_size
-            if config.policy in _CONFIDENCE_POLICIES and not getattr(drafter, "has_confidence", True):
+            if config.policy in _CONFIDENCE_POLICIES and not drafter.has_confidence:
                 raise InvalidArgument("policy", config.policy,
                                       f"needs a drafter with a confidence head; {drafter.name} has none")
         if config.policy in ("causal", "async") and sps is None:
@@ -197,6 +199,8 @@ class Engine:
         if req.on_verifier:
             self.verifier.release(req.request_id)
             req.on_verifier = False
+        if req.draft_state is not None and hasattr(self.drafter, "release_state"):
+            self.drafter.release_state(req.draft_state)  # drafters holding state elsewhere (a remote one)
         req.draft_state = None
         if req in self.active:
             self.active.remove(req)
@@ -241,7 +245,8 @@ class Engine:
             req.on_verifier = True
             self.active.append(req)
             if self.drafter is not None:
-                req.draft_state = self.drafter.new_state()
+                new_state_for = getattr(self.drafter, "new_state_for", None)  # drafters keyed by request id
+                req.draft_state = new_state_for(req.request_id) if new_state_for else self.drafter.new_state()
             self._commit(req, res, events)
 
     def _commit(self, req: RequestState, res: StepResult, events: dict[str, list[int]]) -> None:

@@ -1,0 +1,128 @@
+"""The protocol the engine calls on every drafter, and its per-round data types.
+
+One drafting round for a batch of requests is one `Drafter.propose(items)` call. Each `ProposeItem`
+carries a request's opaque drafter state (from `new_state()`, mutated by the drafter), the target
+features of the positions committed since the last call and the new anchor token. The drafter returns
+one `Proposal` per item: `gamma` draft tokens and, when sampling, the top-k support and renormalised
+draft probabilities the verifier needs for lossless rejection sampling.
+
+Timeline of one request (positions are token indices; the anchor has no target state yet):
+- after prefill: new_features = prompt positions 0..T-1, new_tokens = the prompt, anchor = first
+  target token at position T;
+- after a round with `a` accepted drafts: new_features = verify-pass features of positions
+  start..start+a, new_tokens = [old anchor, accepted drafts], anchor = recovered / bonus token.
+
+Drafters know nothing about tokenization, gRPC, verification or scheduling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from dspark_core.errors import InvalidArgument
+
+DEFAULT_SUPPORT_SIZE = 32
+
+
+@dataclass
+class ProposeItem:
+    """One request's input for one drafting round."""
+
+    state: object  # from drafter.new_state(); the drafter mutates it
+    # [n_new, L * H] target taps (concat of target_layer_ids outputs) for the newly committed positions
+    new_features: torch.Tensor
+    new_positions_start: int  # position of new_features[0]
+    new_tokens: list[int]  # committed tokens at those positions (len n_new)
+    anchor: int  # newest committed token, no target state yet
+    anchor_pos: int  # == new_positions_start + n_new
+    temperature: float = 0.0  # 0 = greedy (argmax, no randomness)
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Proposal:
+    """One request's draft for one round."""
+
+    tokens: list[int]  # [gamma] d_1..d_gamma
+    # [gamma, k] long: top-k support each token was sampled from (None when greedy)
+    support_ids: torch.Tensor | None = None
+    # [gamma, k] float32: draft probabilities q on that support, renormalised (None when greedy)
+    support_probs: torch.Tensor | None = None
+    # [gamma] calibrated per-slot acceptance probabilities c_k = sigmoid(logit_k / t_k) (None without a head)
+    confidences: torch.Tensor | None = None
+    # [gamma] raw confidence logits
+    confidence_logits: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+    kind: str  # "dspark" | "dflash" | "eagle3"
+    block_size: int  # gamma: draft tokens per proposal
+    target_layer_ids: tuple[int, ...]
+    support_size: int  # k of the top-k support when sampling
+    vocab_size: int
+    has_confidence: bool  # proposals carry per-position confidences
+
+    def new_state(self) -> object: ...
+
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
+
+
+def validate_items(items: list[ProposeItem], state_type: type, feature_size: int, vocab_size: int) -> None:
+    """Raise InvalidArgument for anything a drafter cannot work with; checks positions are contiguous."""
+    if not items:
+        raise InvalidArgument("items", items, "must hold at least one ProposeItem")
+    seen: set[int] = set()
+    for i, it in enumerate(items):
+        where = f"items[{i}]"
+        if not isinstance(it.state, state_type):
+            raise InvalidArgument(f"{where}.state", type(it.state).__name__,
+                                  f"must be a {state_type.__name__} from this drafter's new_state()")
+        if id(it.state) in seen:
+            raise InvalidArgument(f"{where}.state", "shared", "must not appear twice in one propose() call")
+        seen.add(id(it.state))
+        f = it.new_features
+        if not isinstance(f, torch.Tensor) or f.dim() != 2 or f.shape[1] != feature_size:
+            shape = list(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
+            raise InvalidArgument(f"{where}.new_features", shape, f"must be a [n_new, {feature_size}] tensor")
+        n_new = f.shape[0]
+        if len(it.new_tokens) != n_new:
+            raise InvalidArgument(f"{where}.new_tokens", len(it.new_tokens), f"must have n_new = {n_new} tokens")
+        if it.new_positions_start != it.state.length:
+            raise InvalidArgument(f"{where}.new_positions_start", it.new_positions_start,
+                                  f"must continue the drafter state (next position {it.state.length})")
+        if it.anchor_pos != it.new_positions_start + n_new:
+            raise InvalidArgument(f"{where}.anchor_pos", it.anchor_pos,
+                                  f"must equal new_positions_start + n_new = {it.new_positions_start + n_new}")
+        if it.anchor_pos < 1:
+            raise InvalidArgument(f"{where}.anchor_pos", it.anchor_pos, "must be >= 1 (prefill a non-empty prompt)")
+        for tok in (*it.new_tokens, it.anchor):
+            if not 0 <= int(tok) < vocab_size:
+                raise InvalidArgument(f"{where}.tokens", tok, f"must be token ids in [0, {vocab_size})")
+        t = it.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InvalidArgument(f"{where}.temperature", t, "must be a finite number >= 0")
+
+
+def draw_uniforms(items: list[ProposeItem], gamma: int, device: torch.device) -> torch.Tensor | None:
+    """[B, gamma] uniforms, one row per sampled request from its own generator (None if all greedy).
+
+    Drawn up front, gamma per sampled request per round, so a request's stream does not depend on
+    which other requests share the batch.
+    """
+    if all(it.temperature == 0 for it in items):
+        return None
+    rows = []
+    for it in items:
+        if it.temperature == 0:
+            rows.append(torch.zeros(gamma))
+        elif it.generator is None:
+            rows.append(torch.rand(gamma))
+        else:
+            rows.append(torch.rand(gamma, generator=it.generator, device=it.generator.device).cpu())
+    return torch.stack(rows).to(device)  # [B, gamma]

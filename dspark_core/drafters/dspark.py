@@ -1,0 +1,223 @@
+"""DSpark drafter: parallel backbone + sequential Markov head + confidence head (DFlash when both are absent).
+
+One round for a batch of requests (`propose`):
+1. append each request's newly committed positions to its context K/V cache (one flattened fc/k/v
+   pass over all requests' new rows);
+2. one backbone pass over all requests' blocks `[anchor, MASK x (gamma-1)]`, ragged contexts padded and
+   masked -> h [B, gamma, H], base logits U [B, gamma, V];
+3. gamma tiny sequential steps over the whole batch: `logits_k = U_k + B_k(x_{k-1}, ...)`, choose x_k
+   (argmax at T = 0, else top-k truncated sampling of softmax(logits_k / T)), confidence logit
+   `c_k([h_k ; W1[x_{k-1}]])`. The heads always consume the token actually chosen (sampled) at k-1.
+Calibrated confidences are `sigmoid(c_k / t_k)` with the config's STS temperatures.
+
+`training_forward` computes teacher-forced logits and confidence logits for many anchors per sequence
+with a dense block mask (no loss: that belongs to the trainer).
+
+Drafters know nothing about tokenization, gRPC, verification or scheduling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from dspark_core.drafters.backbone import ParallelBackbone
+from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE, Proposal, ProposeItem, draw_uniforms, validate_items
+from dspark_core.drafters.config import ARCH_DSPARK, DrafterConfig
+from dspark_core.drafters.heads import ConfidenceHead, build_markov_head
+from dspark_core.drafters.kv_cache import KVCache
+from dspark_core.drafters.sampling import choose_tokens
+from dspark_core.errors import InvalidArgument
+
+
+@dataclass
+class DSparkState:
+    """Per-request drafter state: the projected context K/V of every committed position so far."""
+
+    cache: KVCache
+
+    @property
+    def length(self) -> int:
+        """Next position the drafter expects features for (== number of cached context positions)."""
+        return self.cache.length
+
+
+@dataclass
+class BlockDraft:
+    """Everything one batched drafting round computed (for tests, diagnostics and calibration)."""
+
+    # [B, gamma, H] backbone output after the final norm (h_k)
+    hidden: torch.Tensor
+    # [B, gamma, V] U_k
+    base_logits: torch.Tensor
+    # [B, gamma, V] U_k + B_k (== U_k without a Markov head)
+    logits: torch.Tensor
+    # [B, gamma] chosen tokens x_1..x_gamma (argmax under teacher forcing)
+    tokens: torch.Tensor
+    # [B, gamma] previous tokens the heads consumed (anchor, then chosen / teacher tokens)
+    prev_tokens: torch.Tensor
+    # [B, gamma] raw confidence logits, None without a confidence head
+    confidence_logits: torch.Tensor | None
+    # [B, gamma, k] / [B, gamma, k] sampling support and renormalised q, None when all greedy
+    support_ids: torch.Tensor | None = None
+    support_probs: torch.Tensor | None = None
+
+
+def _check_support_size(support_size: int) -> None:
+    if isinstance(support_size, bool) or not isinstance(support_size, int) or support_size < 1:
+        raise InvalidArgument("support_size", support_size, "must be an integer >= 1")
+
+
+class DSparkDrafter(ParallelBackbone):
+    def __init__(self, config: DrafterConfig, support_size: int = DEFAULT_SUPPORT_SIZE, name: str | None = None):
+        if config.architecture != ARCH_DSPARK:
+            raise InvalidArgument("architectures", config.architecture, f"must be {ARCH_DSPARK} for DSpark/DFlash")
+        _check_support_size(support_size)
+        super().__init__(config)
+        self.markov_head = build_markov_head(config)
+        self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
+        self.name = name or config.kind
+        self.support_size = support_size
+
+    # ---- Drafter protocol -----------------------------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.confidence_head is not None
+
+    def new_state(self) -> DSparkState:
+        return DSparkState(KVCache(len(self.layers)))
+
+    def set_calibration(self, temperatures) -> None:
+        """Install STS temperatures (one per slot; None = all 1.0)."""
+        self.config = self.config.with_calibration(temperatures)
+
+    @torch.no_grad()
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        out = self.draft(items)
+        temps = torch.tensor(self.config.sts_temperatures, dtype=torch.float32, device=out.tokens.device)
+        conf_logits = None if out.confidence_logits is None else out.confidence_logits.float()  # [B, gamma]
+        confidences = None if conf_logits is None else torch.sigmoid(conf_logits / temps)
+        proposals = []
+        for i, (it, toks) in enumerate(zip(items, out.tokens.tolist())):
+            sampled = it.temperature > 0
+            proposals.append(Proposal(
+                tokens=toks,
+                support_ids=out.support_ids[i] if sampled else None,
+                support_probs=out.support_probs[i] if sampled else None,
+                confidences=None if confidences is None else confidences[i],
+                confidence_logits=None if conf_logits is None else conf_logits[i],
+            ))
+        return proposals
+
+    # ---- the round, in steps ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def draft(self, items: list[ProposeItem]) -> BlockDraft:
+        """Extend every request's context, then draft one block per request (batched)."""
+        validate_items(items, DSparkState, self.config.feature_size, self.config.vocab_size)
+        caches = [it.state.cache for it in items]
+        self.extend_contexts(caches, [it.new_features for it in items], [it.new_positions_start for it in items])
+        dev = self._device
+        anchors = torch.tensor([it.anchor for it in items], dtype=torch.long, device=dev)  # [B]
+        positions = torch.tensor([it.anchor_pos for it in items], dtype=torch.long, device=dev)  # [B]
+        hidden = self.forward_block(caches, anchors, positions)  # [B, gamma, H]
+        temperatures = torch.tensor([float(it.temperature) for it in items], dtype=torch.float32, device=dev)
+        uniforms = draw_uniforms(items, self.block_size, dev)  # [B, gamma] or None
+        return self.run_heads(hidden, self.lm_head(hidden), anchors, temperatures, uniforms)
+
+    def run_heads(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.Tensor,
+                  temperatures: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
+                  teacher_prev: torch.Tensor | None = None) -> BlockDraft:
+        """The sequential part: gamma steps over the batch.
+
+        hidden [B, gamma, H]; base_logits [B, gamma, V]; anchors [B]; temperatures [B] (None = greedy);
+        uniforms [B, gamma] (None = all greedy); teacher_prev [B, gamma] replaces the chosen previous
+        tokens (teacher forcing; slot 0's entry is normally the anchor).
+        """
+        b, gamma, _ = hidden.shape
+        if temperatures is None:
+            temperatures = torch.zeros(b, device=hidden.device)
+        markov, conf_head = self.markov_head, self.confidence_head
+        state = markov.start(hidden[:, 0]) if markov is not None else None
+        prev = anchors  # [B]
+        logits_out, tokens, prevs, confs, sup_ids, sup_probs = [], [], [], [], [], []
+        for k in range(gamma):
+            if teacher_prev is not None:
+                prev = teacher_prev[:, k]
+            prevs.append(prev)
+            prev_emb = markov.embed(prev) if markov is not None else None  # [B, r]
+            logits = base_logits[:, k]  # [B, V]
+            if markov is not None:
+                bias, state = markov.step(hidden[:, k], prev_emb, state)
+                logits = logits + bias
+            if conf_head is not None:
+                confs.append(conf_head(hidden[:, k], prev_emb))  # [B]
+            choice = choose_tokens(logits, temperatures, None if uniforms is None else uniforms[:, k],
+                                   self.support_size)
+            logits_out.append(logits)
+            tokens.append(choice.tokens)
+            sup_ids.append(choice.support_ids)
+            sup_probs.append(choice.support_probs)
+            prev = choice.tokens
+        sampled = sup_ids[0] is not None
+        return BlockDraft(
+            hidden=hidden,
+            base_logits=base_logits,
+            logits=torch.stack(logits_out, dim=1),
+            tokens=torch.stack(tokens, dim=1),
+            prev_tokens=torch.stack(prevs, dim=1),
+            confidence_logits=torch.stack(confs, dim=1) if confs else None,
+            support_ids=torch.stack(sup_ids, dim=1) if sampled else None,
+            support_probs=torch.stack(sup_probs, dim=1) if sampled else None,
+        )
+
+    # ---- training-time forward --------------------------------------------------------------------
+
+    def training_forward(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> BlockDraft:
+        """Teacher-forced outputs for many anchors per sequence in one pass (dense block mask).
+
+        input_ids [B, S]; features [B, S, L * H] (target features of every position; the block of anchor a
+        only sees positions < a); anchors [B, A] with a + gamma - 1 < S. Slot k of anchor a predicts
+        input_ids[a + 1 + k] and its heads consume input_ids[a + k]. Returns a BlockDraft whose tensors are
+        shaped [B, A, gamma, ...] (tokens: argmax; no sampling).
+        """
+        gamma = self.block_size
+        b, s = input_ids.shape
+        if features.shape[:2] != (b, s) or features.shape[2] != self.config.feature_size:
+            raise InvalidArgument("features", list(features.shape), f"must be [{b}, {s}, {self.config.feature_size}]")
+        if anchors.dim() != 2 or anchors.shape[0] != b:
+            raise InvalidArgument("anchors", list(anchors.shape), f"must be [{b}, num_anchors]")
+        if anchors.numel() and (int(anchors.min()) < 0 or int(anchors.max()) + gamma - 1 >= s):
+            raise InvalidArgument("anchors", anchors.tolist(), f"must lie in [0, {s - gamma}] (a + gamma - 1 < S)")
+        a = anchors.shape[1]
+        input_ids, anchors = input_ids.to(self._device), anchors.to(self._device)
+        anchor_tokens = input_ids.gather(1, anchors)  # [B, A]
+        hidden = self.forward_blocks_dense(features, anchor_tokens, anchors)  # [B, A, gamma, H]
+        slots = anchors[:, :, None] + torch.arange(gamma, device=self._device)  # [B, A, gamma]
+        teacher_prev = input_ids.gather(1, slots.reshape(b, a * gamma)).reshape(b * a, gamma)
+        flat_hidden = hidden.reshape(b * a, gamma, -1)
+        out = self.run_heads(flat_hidden, self.lm_head(flat_hidden), anchor_tokens.reshape(-1),
+                             teacher_prev=teacher_prev)
+        return dataclasses.replace(out, **{
+            f.name: getattr(out, f.name).reshape(b, a, gamma, *getattr(out, f.name).shape[2:])
+            for f in dataclasses.fields(out) if getattr(out, f.name) is not None
+        })

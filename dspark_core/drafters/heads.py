@@ -1,0 +1,97 @@
+"""DSpark's sequential heads: the Markov heads that add a bias B_k to the backbone logits, and the confidence head.
+
+Each head runs once per draft slot k, on the whole batch, given the backbone state `h_k` [B, H] and the
+previous token x_{k-1} (the anchor for slot 0, then the token chosen - or teacher token - at slot k-1):
+- vanilla: `B_k = W2 @ W1[x_{k-1}]`   (W1 = markov_w1 Embedding [V, r], W2 = markov_w2 Linear r -> V)
+- gated:   `B_k = W2(sigmoid(gate_proj([h_k ; W1[x_{k-1}]])) * W1[x_{k-1}])`  (in DeepSpec's code, not the paper;
+           not covered by the reference fixtures)
+- rnn:     `z = [s ; W1[x_{k-1}] ; h_k]`, `(g, c, o) = joint_proj(z)` split in that order,
+           `s <- sigmoid(g) * s + (1 - sigmoid(g)) * tanh(c)`, `B_k = W2 @ tanh(o)`, s = 0 before slot 0
+- confidence: `c_k = proj([h_k ; W1[x_{k-1}]])` (one logit; W1 part only with confidence_head_with_markov)
+The confidence never looks at the token chosen at slot k, which keeps confidence-based admission causal.
+
+Parameter names equal DeepSpec's (`markov_head.markov_w1`, `.markov_w2`, `.gate_proj`, `.joint_proj`,
+`confidence_head.proj`). Knows nothing about the backbone, sampling or requests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark_core.drafters.config import DrafterConfig
+
+
+class VanillaMarkovHead(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        r, v = config.markov_rank, config.vocab_size
+        # [V, r]
+        self.markov_w1 = nn.Embedding(v, r)
+        # [V, r]
+        self.markov_w2 = nn.Linear(r, v, bias=False)
+
+    def start(self, h: torch.Tensor) -> object:
+        """Recurrent state before slot 0 for h [B, H] (None: the vanilla head has none)."""
+        return None
+
+    def embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """prev_tokens [B] -> W1[x_{k-1}] [B, r]."""
+        return self.markov_w1(prev_tokens)
+
+    def step(self, h: torch.Tensor, prev_emb: torch.Tensor, state: object):
+        """h [B, H], prev_emb [B, r] -> (bias [B, V], next state)."""
+        return self.markov_w2(prev_emb), state
+
+
+class GatedMarkovHead(VanillaMarkovHead):
+    def __init__(self, config: DrafterConfig):
+        super().__init__(config)
+        r = config.markov_rank
+        # [r, H + r]
+        self.gate_proj = nn.Linear(config.hidden_size + r, r, bias=True)
+
+    def step(self, h, prev_emb, state):
+        gate = torch.sigmoid(self.gate_proj(torch.cat((h, prev_emb), dim=-1)))  # [B, r]
+        return self.markov_w2(gate * prev_emb), state
+
+
+class RnnMarkovHead(VanillaMarkovHead):
+    def __init__(self, config: DrafterConfig):
+        super().__init__(config)
+        r = config.markov_rank
+        self.rank = r
+        # [3r, 2r + H]
+        self.joint_proj = nn.Linear(2 * r + config.hidden_size, 3 * r, bias=True)
+
+    def start(self, h):
+        return h.new_zeros(h.shape[0], self.rank)  # [B, r]
+
+    def step(self, h, prev_emb, state):
+        z = torch.cat((state, prev_emb, h), dim=-1)  # [B, 2r + H]
+        g, c, o = self.joint_proj(z).chunk(3, dim=-1)  # 3 x [B, r]
+        keep = torch.sigmoid(g)
+        state = keep * state + (1 - keep) * torch.tanh(c)
+        return self.markov_w2(torch.tanh(o)), state
+
+
+MARKOV_HEADS = {"vanilla": VanillaMarkovHead, "gated": GatedMarkovHead, "rnn": RnnMarkovHead}
+
+
+def build_markov_head(config: DrafterConfig) -> VanillaMarkovHead | None:
+    if config.markov_rank == 0:
+        return None
+    return MARKOV_HEADS[config.markov_head_type](config)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.with_markov = config.confidence_input_size > config.hidden_size
+        # [1, H (+ r)]
+        self.proj = nn.Linear(config.confidence_input_size, 1, bias=True)
+
+    def forward(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
+        """h [B, H], prev_emb [B, r] -> raw confidence logit [B]."""
+        x = torch.cat((h, prev_emb), dim=-1) if self.with_markov else h
+        return self.proj(x).squeeze(-1)

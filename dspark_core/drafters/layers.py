@@ -1,0 +1,128 @@
+"""Qwen3 building blocks shared by every drafter: RMSNorm, RoPE, attention, SwiGLU MLP, decoder layer.
+
+A pure-PyTorch reference written from algorithms.md sections 1-2 and the fixture README 4.1/4.2:
+- RMSNorm in float32 with a weight: `weight * x / sqrt(mean(x^2) + eps)` (no `1 + weight`).
+- Default RoPE, non-interleaved "rotate half": `inv_freq = theta^(-2i/d)`, cos/sin of `cat(freqs, freqs)`.
+- Attention: q/k/v projections, per-head q_norm / k_norm *before* RoPE, grouped-query attention by
+  repeating KV heads, scale `head_dim^-0.5`, torch SDPA with an optional boolean mask (True = attend).
+- Decoder layer: pre-norm attention + SwiGLU MLP with residuals. Keys/values of the layer's own rows are
+  appended after any `past` keys/values the caller passes (DFlash-style context injection, KV caches).
+
+Module and parameter names match DeepSpec / Hugging Face Qwen3 so that state dicts load by name.
+Nothing here knows about drafting rounds, requests or checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark_core.drafters.config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        # [size]
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape [*positions.shape, head_dim] for integer positions (computed in float32)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)  # [head_dim / 2]
+    freqs = positions[..., None].float() * inv_freq  # [..., head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., head_dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, n, d]; cos/sin [B, n, d]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Qwen3 attention split into query / key-value / attend steps so callers can inject extra K/V."""
+
+    def __init__(self, config: DrafterConfig, in_features: int):
+        super().__init__()
+        d, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.num_heads, self.num_kv_heads = d, nh, nkv
+        self.scale = d ** -0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_features, nh * d, bias=bias)
+        self.k_proj = nn.Linear(in_features, nkv * d, bias=bias)
+        self.v_proj = nn.Linear(in_features, nkv * d, bias=bias)
+        self.o_proj = nn.Linear(nh * d, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, n, in] -> q [B, heads, n, d] (q_norm, then RoPE)."""
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, n, in] -> k, v [B, kv_heads, n, d] (k_norm, then RoPE on k)."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, heads, nq, d], k/v [B, kv_heads, nk, d], mask [B, 1, nq, nk] bool or None -> [B, nq, H]."""
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:  # kv head i serves query heads i*groups .. (i+1)*groups-1
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, heads, nq, d]
+        b, _, nq, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, nq, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer whose attention also sees caller-supplied past K/V."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(config, config.hidden_size)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, past_k=None, past_v=None, mask=None):
+        """x [B, n, H]; cos/sin [B, n, d]; past_k/v [B, kv, L, d]; mask [B, 1, n, L + n] -> (x, k, v)."""
+        normed = self.input_layernorm(x)
+        q = self.self_attn.query(normed, cos, sin)
+        k, v = self.self_attn.key_value(normed, cos, sin)  # [B, kv, n, d]
+        keys = k if past_k is None else torch.cat((past_k, k), dim=2)  # [B, kv, L + n, d]
+        values = v if past_v is None else torch.cat((past_v, v), dim=2)
+        x = x + self.self_attn.attend(q, keys, values, mask)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v

@@ -1,0 +1,41 @@
+"""Truncated top-k sampling converges to the renormalised top-k distribution; T = 0 is argmax."""
+
+import torch
+
+from dspark_core.drafters.sampling import choose_tokens
+
+
+def test_greedy_rows_take_the_argmax_and_return_no_support():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.5]])
+    choice = choose_tokens(logits, torch.zeros(2), None, support_size=2)
+    assert choice.tokens.tolist() == [1, 0] and choice.support_ids is None and choice.support_probs is None
+
+
+def test_sampling_frequencies_match_truncated_softmax():
+    n, temp, k = 100_000, 0.7, 4
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.9, -3.0])
+    gen = torch.Generator().manual_seed(0)
+    uniforms = torch.rand(n, generator=gen)
+    choice = choose_tokens(logits.expand(n, -1), torch.full((n,), temp), uniforms, support_size=k)
+    top_vals, top_ids = logits.topk(k)
+    expected = torch.zeros(6)
+    expected[top_ids] = torch.softmax(top_vals / temp, dim=-1)
+    freq = torch.bincount(choice.tokens, minlength=6).float() / n
+    assert freq[expected == 0].sum() == 0  # never outside the top-k support
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((freq - expected).abs() <= 5 * sigma + 1e-9).all(), (freq, expected)
+    torch.testing.assert_close(choice.support_probs[0], torch.softmax(top_vals / temp, -1))
+    assert torch.equal(choice.support_ids[0], top_ids)
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy():
+    logits = torch.tensor([[0.0, 1.0, 0.5], [0.0, 1.0, 0.5]])
+    choice = choose_tokens(logits, torch.tensor([0.0, 1.0]), torch.tensor([0.999, 0.001]), support_size=3)
+    assert choice.tokens[0] == 1  # greedy despite its (unused) uniform
+    assert choice.tokens[1] == 1  # u = 0.001 picks the most likely support entry
+
+
+def test_draw_never_lands_on_a_zero_probability_support_entry():
+    logits = torch.tensor([[0.0, -200.0, -300.0]])  # at T = 0.1 the last two entries underflow to q = 0
+    choice = choose_tokens(logits, torch.tensor([0.1]), torch.tensor([1.0 - 1e-7]), support_size=3)
+    assert choice.tokens.tolist() == [0]
