@@ -119,8 +119,12 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def _uniform(generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """One uniform number in [0, 1) as a float64 tensor of shape [1]: the only way this package draws."""
-    return torch.rand(1, generator=generator, dtype=torch.float64, device=device)
+    """One uniform number in [0, 1) as a float64 tensor [1] on `device`: the only way this package draws.
+
+    It is drawn on the generator's own device, so a CPU generator can drive sampling on any device and the
+    numbers a request sees do not depend on where its logits live.
+    """
+    return torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device).to(device)
 
 
 def _inverse_cdf(
@@ -130,7 +134,7 @@ def _inverse_cdf(
     u: torch.Tensor,
 ) -> int:
     """The token whose cumulative-mass interval [cdf[i-1], cdf[i]) holds u * total mass."""
-    cdf = probs.to(torch.float64).cumsum(dim=0)  # [vocab_size] float64
+    cdf = probs.cumsum(dim=0, dtype=torch.float64)  # [vocab_size]
     index = int(torch.searchsorted(cdf, u * cdf[-1:], right=True))
     if index < cdf.shape[0]:
         return index

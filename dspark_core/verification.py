@@ -104,11 +104,16 @@ class DraftBlock:
         object.__setattr__(self, "draft_probs", tuple(at_draft))
         object.__setattr__(self, "max_support_id", int(id_max))
 
-    def dense_row(self, i: int, vocab_size: int) -> torch.Tensor:
-        """q_i as a dense float32 vector [vocab_size], zero outside the support."""
+    def subtract_from(
+        self,
+        # [vocab_size] float
+        dense: torch.Tensor,
+        i: int,
+    ) -> torch.Tensor:
+        """A new tensor [vocab_size]: `dense` minus q_i, with q_i scattered from row i of the support."""
         assert self.support_ids is not None and self.support_probs is not None
-        ids, probs = self.support_ids[i].long(), self.support_probs[i].float()  # [k], [k]
-        return torch.zeros(vocab_size, dtype=torch.float32, device=ids.device).scatter_add_(0, ids, probs)
+        q = self.support_probs[i].to(dense.dtype).neg()  # [k]
+        return dense.scatter_add(0, self.support_ids[i].long(), q)
 
 
 @dataclass(frozen=True)
@@ -156,22 +161,22 @@ def _verify_sampled(
     generator: torch.Generator,
 ) -> VerifyOutcome:
     tokens, stop = draft.tokens, params.stop_token_ids
-    n, vocab_size = len(tokens), target_logits.shape[1]
+    n = len(tokens)
     probs = target_probs(target_logits, params)  # [n + 1, vocab_size] float32
     if n == 0:
         return _finish([], sample_from_probs(probs[0], generator), stop)
-    drafted = torch.tensor(tokens, dtype=torch.long, device=probs.device)  # [n]
-    p_at_draft = probs[:n].gather(1, drafted[:, None]).squeeze(1).tolist()  # n floats, p_i(d_i)
+    drafted = torch.tensor([[d] for d in tokens], dtype=torch.long, device=probs.device)  # [n, 1]
+    p_at_draft = [row[0] for row in probs[:n].gather(1, drafted).tolist()]  # n floats, p_i(d_i)
     q_at_draft = draft.draft_probs
     accepted: list[int] = []
     for i, d in enumerate(tokens):
-        u = _uniform(generator, probs.device).item()
+        u = _uniform(generator, generator.device).item()  # stays on the generator's device until read
         if u < p_at_draft[i] / q_at_draft[i]:  # accept with probability min(1, p/q)
             accepted.append(d)
             if d in stop:
                 return VerifyOutcome(len(accepted), tuple(accepted), True)
             continue
-        residual = (probs[i] - draft.dense_row(i, vocab_size)).clamp_(min=0.0)  # [vocab_size]
+        residual = draft.subtract_from(probs[i], i).clamp_(min=0.0)  # [vocab_size] p_i - q_i, then max(0, .)
         if residual.sum().item() <= _MIN_RESIDUAL_MASS:
             residual = probs[i]
         return _finish(accepted, _inverse_cdf(residual, _uniform(generator, probs.device)), stop)

@@ -1,0 +1,404 @@
+"""Tests of dspark_core.verification: exact greedy cases, validation, seeding, and losslessness by statistics.
+
+The statistical tests run the real `verify_block` once per round on a toy order-1 Markov target and a
+sparse draft, and compare the empirical joint distribution of the first two emitted tokens with the exact
+target joint. The default run uses 100,000 draws across all cases; `-m slow` runs 100,000+ per case.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dspark_core.errors import InvalidArgument
+from dspark_core.sampling import SamplingParams, make_generator, sample_token, target_probs
+from dspark_core.verification import DraftBlock, VerifyOutcome, verify_batch, verify_block
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """These tests make many tiny-tensor calls; on a busy 2-core machine, intra-op threading makes each one
+    milliseconds slower (measured: softmax of [2, 4] at 9 ms with 2 threads, 1.5 us with 1)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _peaked(argmaxes: list[int], vocab_size: int = 8) -> torch.Tensor:
+    """Target logits [len(argmaxes), vocab_size] whose row i has its argmax at argmaxes[i]."""
+    logits = torch.randn(len(argmaxes), vocab_size, generator=torch.Generator().manual_seed(len(argmaxes)))
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 10.0
+    return logits
+
+
+def _full_support(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense draft distribution [n, V] written as a support over the whole vocabulary."""
+    ids = torch.arange(probs.shape[1]).expand(probs.shape[0], -1).contiguous()
+    return ids, probs
+
+
+# -------------------------------------------------------------------------------------------- greedy
+
+
+def test_greedy_accepts_all_matching_drafts_and_appends_the_bonus():
+    outcome = verify_block(_peaked([3, 1, 4, 6]), DraftBlock((3, 1, 4)), GREEDY, make_generator(0))
+    assert outcome == VerifyOutcome(num_accepted=3, tokens=(3, 1, 4, 6), stopped=False)
+
+
+def test_greedy_rejects_the_first_draft_and_emits_the_target_argmax():
+    outcome = verify_block(_peaked([2, 1, 4, 6]), DraftBlock((3, 1, 4)), GREEDY, make_generator(0))
+    assert outcome == VerifyOutcome(num_accepted=0, tokens=(2,), stopped=False)
+
+
+def test_greedy_rejects_in_the_middle_and_ignores_later_drafts():
+    outcome = verify_block(_peaked([3, 1, 5, 6]), DraftBlock((3, 1, 4)), GREEDY, make_generator(0))
+    assert outcome == VerifyOutcome(num_accepted=2, tokens=(3, 1, 5), stopped=False)
+
+
+def test_greedy_stop_token_among_accepted_drafts_ends_the_round_without_bonus():
+    params = SamplingParams(temperature=0, stop_token_ids=(7, 1))
+    outcome = verify_block(_peaked([3, 1, 4, 6]), DraftBlock((3, 1, 4)), params, make_generator(0))
+    assert outcome == VerifyOutcome(num_accepted=2, tokens=(3, 1), stopped=True)
+
+
+def test_greedy_stop_token_as_the_recovered_or_bonus_token_sets_stopped():
+    params = SamplingParams(temperature=0, stop_token_ids=(6,))
+    rejected = verify_block(_peaked([3, 6, 4, 0]), DraftBlock((3, 1, 4)), params, make_generator(0))
+    assert rejected == VerifyOutcome(num_accepted=1, tokens=(3, 6), stopped=True)
+    bonus = verify_block(_peaked([3, 1, 4, 6]), DraftBlock((3, 1, 4)), params, make_generator(0))
+    assert bonus == VerifyOutcome(num_accepted=3, tokens=(3, 1, 4, 6), stopped=True)
+
+
+def test_greedy_without_drafts_emits_the_argmax():
+    assert verify_block(_peaked([5]), DraftBlock(()), GREEDY, make_generator(0)) == VerifyOutcome(0, (5,), False)
+
+
+def test_greedy_ties_go_to_the_lowest_id():
+    logits = torch.tensor([[1.0, 4.0, 4.0, 0.0], [2.0, 2.0, 0.0, 0.0]])
+    assert verify_block(logits, DraftBlock((2,)), GREEDY, make_generator(0)).tokens == (1,)
+    assert verify_block(logits, DraftBlock((1,)), GREEDY, make_generator(0)).tokens == (1, 0)
+
+
+def test_greedy_ignores_the_draft_support_and_draws_no_random_numbers():
+    generator = make_generator(3)
+    state = generator.get_state()
+    ids, probs = _full_support(torch.full((3, 8), 1 / 8))
+    outcome = verify_block(_peaked([3, 1, 5, 6]), DraftBlock((3, 1, 4), ids, probs), GREEDY, generator)
+    assert outcome.tokens == (3, 1, 5)
+    assert torch.equal(generator.get_state(), state)
+
+
+# ------------------------------------------------------------------------------- sampled, exact cases
+
+
+def test_sampled_draft_equal_to_target_is_always_accepted():
+    params = SamplingParams(temperature=0.9, top_k=6)
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))  # [4, 10]
+    probs = target_probs(logits, params)
+    tokens = tuple(int(t) for t in probs[:3].argmax(dim=-1))
+    generator = make_generator(1)
+    for _ in range(50):
+        outcome = verify_block(logits, DraftBlock(tokens, *_full_support(probs[:3])), params, generator)
+        assert outcome.num_accepted == 3 and outcome.tokens[:3] == tokens and len(outcome.tokens) == 4
+
+
+def test_sampled_draft_with_zero_target_probability_is_rejected_for_the_residual():
+    # Target row 0 is a point mass on token 1; the draft proposed token 0 with certainty.
+    logits = torch.tensor([[-math.inf, 0.0, -math.inf, -math.inf], [0.0, 0.0, 0.0, 0.0]])
+    draft = DraftBlock((0,), torch.tensor([[0, 2]]), torch.tensor([[1.0, 0.0]]))
+    generator = make_generator(2)
+    for _ in range(20):
+        assert verify_block(logits, draft, SamplingParams(), generator) == VerifyOutcome(0, (1,), False)
+
+
+def test_sampled_recovered_token_comes_from_the_positive_part_of_p_minus_q():
+    # p = [0.5, 0.5, 0, 0]; q = [0.9, 0.1] on tokens [0, 1]. Rejecting token 0 leaves max(0, p - q) = [0, 0.4, 0,
+    # 0]: the recovered token is always 1, never 0 again and never a token outside the target's support.
+    logits = torch.tensor([[0.0, 0.0, -math.inf, -math.inf], [0.0, 0.0, 0.0, 0.0]])
+    draft = DraftBlock((0,), torch.tensor([[0, 1]]), torch.tensor([[0.9, 0.1]]))
+    generator = make_generator(3)
+    outcomes = {verify_block(logits, draft, SamplingParams(), generator).tokens[:1] for _ in range(300)}
+    assert outcomes == {(0,), (1,)}
+    rejected = [o for o in (verify_block(logits, draft, SamplingParams(), generator) for _ in range(300))
+                if o.num_accepted == 0]
+    assert rejected and all(o.tokens == (1,) for o in rejected)
+
+
+def test_sampled_residual_without_mass_falls_back_to_the_target_row():
+    # p = [0, 1]; the draft row [0.0009, 1.0] sums to 1 within tolerance and covers p everywhere, so
+    # max(0, p - q) is all zero after the certain rejection of token 0: the next token comes from p itself.
+    logits = torch.tensor([[-math.inf, 0.0], [0.0, 0.0]])
+    draft = DraftBlock((0,), torch.tensor([[0, 1]]), torch.tensor([[0.0009, 1.0]]))
+    generator = make_generator(4)
+    for _ in range(20):
+        assert verify_block(logits, draft, SamplingParams(), generator) == VerifyOutcome(0, (1,), False)
+
+
+def test_sampled_stop_token_among_accepted_drafts_ends_the_round_without_bonus():
+    params = SamplingParams(stop_token_ids=(4,))
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    probs = target_probs(logits, params)
+    outcome = verify_block(logits, DraftBlock((2, 4, 1), *_full_support(probs[:3])), params, make_generator(0))
+    assert outcome == VerifyOutcome(num_accepted=2, tokens=(2, 4), stopped=True)
+
+
+def test_sampled_round_draws_one_uniform_per_tested_draft_plus_one():
+    params = SamplingParams()
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    probs = target_probs(logits, params)
+    accept_all = DraftBlock((1, 2), *_full_support(probs[:2]))  # q = p: both accepted, then a bonus
+    reject_first = DraftBlock((5, 2), torch.tensor([[5], [2]]), torch.tensor([[1.0], [1.0]]))
+    logits_reject = logits.clone()
+    logits_reject[0, 5] = -math.inf  # p(5) = 0: the first draft is rejected
+    for logits_used, draft, uniforms in ((logits, accept_all, 3), (logits_reject, reject_first, 2)):
+        generator, twin = make_generator(8), make_generator(8)
+        verify_block(logits_used, draft, params, generator)
+        torch.rand(uniforms, generator=twin, dtype=torch.float64)
+        assert torch.equal(generator.get_state(), twin.get_state())
+
+
+# --------------------------------------------------------------------------------------- validation
+
+
+def test_draft_token_outside_its_support_is_rejected_naming_it():
+    with pytest.raises(InvalidArgument) as info:
+        DraftBlock((2, 9), torch.tensor([[2, 3], [4, 5]]), torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    assert info.value.field == "tokens[1]" and "9" in str(info.value)
+
+
+def test_draft_token_with_zero_draft_probability_is_rejected():
+    with pytest.raises(InvalidArgument, match=r"tokens\[0\]"):
+        DraftBlock((3,), torch.tensor([[2, 3]]), torch.tensor([[1.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    ("ids", "probs", "field"),
+    [
+        (torch.tensor([[1, 2]]), None, "support_probs"),
+        (torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 0.5]]), "support_ids"),
+        (torch.tensor([[1, 2, 3]]), torch.tensor([[0.5, 0.5]]), "support_probs"),
+        (torch.tensor([[1, 2], [1, 2]]), torch.tensor([[0.5, 0.5], [0.5, 0.5]]), "support_ids"),
+        (torch.tensor([[1, 2]]), torch.tensor([[0.7, 0.7]]), "support_probs"),
+        (torch.tensor([[1, 2]]), torch.tensor([[1.5, -0.5]]), "support_probs"),
+        (torch.tensor([[1, 2]]), torch.tensor([[float("nan"), 0.5]]), "support_probs"),
+        (torch.tensor([[1, -2]]), torch.tensor([[0.5, 0.5]]), "support_ids"),
+    ],
+)
+def test_malformed_draft_support_is_rejected_naming_the_field(ids, probs, field):
+    with pytest.raises(InvalidArgument) as info:
+        DraftBlock((1,), ids, probs)
+    assert info.value.field == field
+
+
+def test_negative_draft_token_is_rejected():
+    with pytest.raises(InvalidArgument, match="tokens"):
+        DraftBlock((1, -4))
+
+
+def test_verify_block_rejects_mismatched_rows_vocab_and_missing_support():
+    with pytest.raises(InvalidArgument) as info:
+        verify_block(torch.zeros(2, 8), DraftBlock((1, 2)), GREEDY, make_generator(0))
+    assert info.value.field == "target_logits" and info.value.value == (2, 8)
+    with pytest.raises(InvalidArgument, match="vocab_size 8"):
+        verify_block(torch.zeros(2, 8), DraftBlock((8,)), GREEDY, make_generator(0))
+    with pytest.raises(InvalidArgument, match="support_probs"):
+        verify_block(torch.zeros(2, 8), DraftBlock((1,)), SamplingParams(), make_generator(0))
+    wide = DraftBlock((1,), torch.tensor([[1, 9]]), torch.tensor([[0.5, 0.5]]))
+    with pytest.raises(InvalidArgument, match="support_ids"):
+        verify_block(torch.zeros(2, 8), wide, SamplingParams(), make_generator(0))
+
+
+# ---------------------------------------------------------------------------------------- seeding
+
+
+def _random_rounds(seed: int, rounds: int = 40) -> list[tuple[int, ...]]:
+    """A run of sampled rounds with random targets and drafts; only the verifier's generator varies."""
+    data = torch.Generator().manual_seed(99)
+    params = SamplingParams(temperature=1.1, top_k=8, top_p=0.95)
+    generator = make_generator(seed)
+    out = []
+    for r in range(rounds):
+        n = r % 4
+        logits = torch.randn(n + 1, 12, generator=data) * 2  # [n + 1, 12]
+        q = torch.rand(n, 12, generator=data).softmax(dim=-1)  # [n, 12]
+        tokens = tuple(int(t) for t in q.argmax(dim=-1)) if n else ()
+        out.append(verify_block(logits, DraftBlock(tokens, *_full_support(q)), params, generator).tokens)
+    return out
+
+
+def test_same_seed_gives_the_same_rounds_and_different_seeds_differ():
+    assert _random_rounds(17) == _random_rounds(17)
+    assert _random_rounds(17) != _random_rounds(18)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(temperature=0.5, top_k=4), SamplingParams(top_p=0.6), GREEDY],
+    ids=["plain", "top_k", "top_p", "greedy"],
+)
+def test_no_drafts_equals_plain_sampling_for_the_same_seed(params):
+    logits = torch.randn(200, 16, generator=torch.Generator().manual_seed(4))  # [200, 16]
+    speculative, plain = make_generator(21), make_generator(21)
+    for row in logits:
+        outcome = verify_block(row[None], DraftBlock(()), params, speculative)
+        assert outcome.num_accepted == 0
+        assert outcome.tokens == (sample_token(row, params, plain),)
+    assert torch.equal(speculative.get_state(), plain.get_state())
+
+
+# ------------------------------------------------------------------------------------------ batch
+
+
+def test_verify_batch_equals_verify_block_per_request():
+    data = torch.Generator().manual_seed(12)
+    vocab_size = 10
+    lengths = [3, 0, 2, 1, 0]
+    params = [SamplingParams(top_k=5), GREEDY, SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=0, stop_token_ids=(3,)), SamplingParams(seed=4)]
+    drafts, rows = [], []
+    for n in lengths:
+        q = torch.rand(n, vocab_size, generator=data).softmax(dim=-1)  # [n, V]
+        tokens = tuple(int(t) for t in torch.multinomial(q, 1, generator=data).flatten()) if n else ()
+        drafts.append(DraftBlock(tokens, *_full_support(q)))
+        rows.append(torch.randn(n + 1, vocab_size, generator=data))
+    logits = torch.cat(rows)  # [total_tokens, V]
+    cu_seqlens = torch.tensor([0] + [sum(n + 1 for n in lengths[: r + 1]) for r in range(len(lengths))])
+    batched = verify_batch(logits, cu_seqlens, drafts, params, [make_generator(s) for s in range(5)])
+    single = [verify_block(rows[r], drafts[r], params[r], make_generator(r)) for r in range(5)]
+    assert batched == single
+
+
+def test_verify_batch_rejects_bad_offsets_and_counts():
+    logits = torch.zeros(3, 4)
+    drafts, params, gens = [DraftBlock((1,)), DraftBlock(())], [GREEDY, GREEDY], [make_generator(0)] * 2
+    with pytest.raises(InvalidArgument, match="cu_seqlens"):
+        verify_batch(logits, torch.tensor([0, 2, 4]), drafts, params, gens)
+    with pytest.raises(InvalidArgument, match=r"cu_seqlens\[0:2\]"):
+        verify_batch(logits, torch.tensor([0, 1, 3]), drafts, params, gens)
+    with pytest.raises(InvalidArgument, match="generators"):
+        verify_batch(logits, torch.tensor([0, 2, 3]), drafts, params, gens[:1])
+
+
+# ------------------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class ToyCase:
+    name: str
+    vocab_size: int
+    params: SamplingParams
+    draft_k: int  # draft support size per row (k < V is a sparse draft)
+    draft_lengths: tuple[int, ...]  # a draw's block length is chosen uniformly from these
+    seed: int
+
+
+CASES = [
+    ToyCase("dense-draft-T1", 6, SamplingParams(), 6, (1, 2, 3), 0),
+    ToyCase("sparse-draft-top-k", 8, SamplingParams(temperature=0.8, top_k=5), 3, (1, 2, 3), 1),
+    ToyCase("sparse-draft-top-p", 8, SamplingParams(temperature=1.3, top_p=0.8), 2, (1, 2, 3), 2),
+    ToyCase("all-three-with-empty-blocks", 12, SamplingParams(temperature=0.6, top_k=6, top_p=0.9), 4,
+            (0, 1, 2, 3), 3),
+    ToyCase("draft-mass-outside-target", 16, SamplingParams(top_k=4), 5, (1, 2, 3), 4),
+]
+
+
+class ToyPair:
+    """An order-1 Markov target and draft over a tiny vocabulary.
+
+    Table row 0 is the first position; row 1 + t is the position after token t. The target gives raw logits
+    (verify_block applies the sampling params); the draft gives a top-k-truncated distribution per row.
+    """
+
+    def __init__(self, case: ToyCase):
+        gen = torch.Generator().manual_seed(1000 + case.seed)
+        size = case.vocab_size
+        self.case = case
+        self.logits = torch.randn(size + 1, size, generator=gen) * 1.5  # [V + 1, V]
+        self.target = target_probs(self.logits, case.params).double()  # [V + 1, V]
+        # The draft is a noisy copy of the raw target (before the sampling params), truncated to its top k.
+        draft_logits = self.logits + torch.randn(size + 1, size, generator=gen)  # [V + 1, V]
+        self.draft_ids = draft_logits.topk(case.draft_k, dim=-1).indices  # [V + 1, k]
+        self.draft_probs = draft_logits.gather(1, self.draft_ids).softmax(dim=-1)  # [V + 1, k]
+        self.draft = torch.zeros(size + 1, size, dtype=torch.float64).scatter_(
+            1, self.draft_ids, self.draft_probs.double())  # [V + 1, V] dense q
+        self._ids = self.draft_ids.tolist()
+        self._cdf = [list(torch.cumsum(row, 0).tolist()) for row in self.draft_probs.double()]
+        self._blocks: dict[tuple[int, tuple[int, ...]], tuple[DraftBlock, torch.Tensor]] = {}
+
+    def joint(self, table: torch.Tensor) -> torch.Tensor:
+        """Exact joint of the first two tokens under `table` (target or draft), [V * V] float64."""
+        return (table[0][:, None] * table[1:]).flatten()
+
+    def draft_token(self, row: int, rng: random.Random) -> int:
+        cdf = self._cdf[row]
+        return self._ids[row][min(bisect.bisect_right(cdf, rng.random() * cdf[-1]), len(cdf) - 1)]
+
+    def block(self, row: int, tokens: tuple[int, ...]) -> tuple[DraftBlock, torch.Tensor]:
+        """The DraftBlock and target logits [n + 1, V] of one round; cached, since both are pure."""
+        key = (row, tokens)
+        if key not in self._blocks:
+            rows = torch.tensor([row] + [1 + t for t in tokens])  # [n + 1]
+            block = DraftBlock(tokens, self.draft_ids[rows[:-1]], self.draft_probs[rows[:-1]])
+            self._blocks[key] = (block, self.logits[rows])
+        return self._blocks[key]
+
+    def first_two_counts(self, draws: int) -> torch.Tensor:
+        """Counts [V * V] of the first two emitted tokens over `draws` independent generations."""
+        size, params = self.case.vocab_size, self.case.params
+        rng = random.Random(self.case.seed)
+        generator = make_generator(self.case.seed)
+        counts = [0] * (size * size)
+        for _ in range(draws):
+            emitted: list[int] = []
+            row = 0
+            while len(emitted) < 2:  # one round, or two when the first round emits a single token
+                tokens, r = [], row
+                for _ in range(rng.choice(self.case.draft_lengths)):
+                    t = self.draft_token(r, rng)
+                    tokens.append(t)
+                    r = 1 + t
+                block, logits = self.block(row, tuple(tokens))
+                emitted += verify_block(logits, block, params, generator).tokens
+                row = 1 + emitted[-1]
+            counts[emitted[0] * size + emitted[1]] += 1
+        return torch.tensor(counts, dtype=torch.float64)
+
+
+def _total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+def _check_lossless(case: ToyCase, draws: int, tolerance: float) -> None:
+    pair = ToyPair(case)
+    target, draft = pair.joint(pair.target), pair.joint(pair.draft)
+    # The case must be worth testing: a draft far from the target, and sampling noise well under tolerance.
+    assert _total_variation(target, draft) > 0.2
+    expected_noise = float((0.5 * (2 * target * (1 - target) / (math.pi * draws)).sqrt()).sum())
+    assert expected_noise < 0.7 * tolerance
+    empirical = pair.first_two_counts(draws) / draws
+    to_target, to_draft = _total_variation(empirical, target), _total_variation(empirical, draft)
+    assert to_target <= tolerance, (case.name, to_target, expected_noise)
+    assert to_target < to_draft / 10, (case.name, to_target, to_draft)
+    # The first token alone, too (its marginal is the row sums of the joint).
+    first = empirical.view(case.vocab_size, -1).sum(dim=1)
+    assert _total_variation(first, pair.target[0]) <= tolerance
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_first_two_tokens_follow_the_target_not_the_draft(case):
+    # 20,000 draws per case, 100,000 across the cases; the tolerance scales as 1 / sqrt(draws).
+    _check_lossless(case, draws=20_000, tolerance=0.01 * math.sqrt(100_000 / 20_000))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_first_two_tokens_follow_the_target_not_the_draft_full_size(case):
+    _check_lossless(case, draws=120_000, tolerance=0.01)
