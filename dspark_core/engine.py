@@ -156,14 +156,7 @@ class Engine:
 
     # -- request lifecycle
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        if not prompt_ids:
-            raise InvalidArgument("prompt", prompt_ids, "must not be empty")
-        if len(prompt_ids) >= self.target.max_context:
-            raise InvalidArgument("prompt", f"{len(prompt_ids)} tokens",
-                                  f"must be shorter than the context window ({self.target.max_context} tokens)")
-        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise InvalidArgument("prompt_ids", bad[:5], f"must be token ids in [0, {self.target.vocab_size})")
+        self.verifier.validate_prompt(prompt_ids)
         if len(self.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(f"queue full: {len(self.waiting)} requests waiting (max_waiting)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"

@@ -82,7 +82,8 @@ class Verifier:
     def num_active(self) -> int:
         return len(self._slots)
 
-    def _check_prompt(self, request_id: str, ids) -> None:
+    def validate_prompt(self, ids) -> None:
+        """Refuse a prompt this target can never serve: empty, too long, or with unknown token ids."""
         if not ids:
             raise InvalidArgument("prompt_ids", list(ids), "must not be empty")
         if len(ids) >= self.target.max_context:
@@ -91,6 +92,9 @@ class Verifier:
         bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
         if bad:
             raise InvalidArgument("prompt_ids", bad[:5], f"must be token ids in [0, {self.target.vocab_size})")
+
+    def _check_prompt(self, request_id: str, ids) -> None:
+        self.validate_prompt(ids)
         if request_id in self._slots:
             raise InvalidArgument("request_id", request_id, "is already active on this verifier")
 

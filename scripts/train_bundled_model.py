@@ -339,7 +339,53 @@ def main() -> None:
         "args": vars(args), "corpus": stats,
     }
     (out / "training_stats.json").write_text(json.dumps(card, indent=1) + "\n")
+    write_model_card(out, card)
     print(json.dumps(card, indent=1))
+
+
+def write_model_card(out: Path, card: dict) -> None:
+    """README.md beside the weights: what the model is, what it saw, how well it fits held-out text."""
+    a, c = card["args"], card["corpus"]
+    text = f"""# dspark bundled target
+
+The embedded default target of this project: a small `Qwen3ForCausalLM` with its own byte-level BPE
+tokenizer, trained from scratch by `scripts/train_bundled_model.py` so that `dspark generate` works
+offline on any machine. It is a demonstration model for speculative decoding, not an assistant: it
+writes plausible Python, stdlib-style explanations and worked arithmetic, and is often wrong.
+
+| | |
+|---|---|
+| architecture | Qwen3, {a["layers"]} layers, hidden {a["hidden"]}, intermediate {a["hidden"] * 3}, {a["hidden"] // 64} query / {max(1, a["hidden"] // 128)} KV heads of 64, tied embeddings |
+| parameters | {card["parameters"]:,} |
+| vocabulary | {a["vocab_size"]} byte-level BPE tokens, trained on the same corpus |
+| context | trained on {a["seq_len"]}-token sequences (max_position_embeddings 2048) |
+| weights | bfloat16 safetensors (the runtime computes in float32 on CPU) |
+| training | {card["steps"]} steps x {a["batch"]} x {a["seq_len"]} tokens = {card["train_tokens"]:,} tokens (of {card["available_train_tokens"]:,} available), AdamW lr {a["lr"]}, warm-up then cosine, seed {card["seed"]} |
+| wall time | {card["wall_minutes"]} min on {card["torch_threads"]} CPU threads |
+| final training loss | {card["final_train_loss"]} (mean of the last 50 steps) |
+| held-out loss / perplexity | {card["held_out_loss"]} / {card["held_out_perplexity"]} (5% of documents, split by a hash of their key) |
+
+## Data
+Built offline from the Python {c["python_version"]} standard library the script runs on, never from the
+evaluation prompt sets:
+- code: "Write a Python function `name` that does the following: <first docstring line>." answered with
+  the function's source, from {c["stdlib_files"]} stdlib modules;
+- chat: "Explain what the Python function ... does." answered with its docstring, and "Explain the
+  Python topic '...'." answered with the interpreter's own reference text (`pydoc_data.topics`);
+- math: generated arithmetic, linear equations, percentages, sums and geometry with worked answers;
+- raw module sources, {c["raw_modules"]} files.
+{c["exchanges"]:,} exchanges in all; {c["train_docs"]:,} training and {c["held_out_docs"]:,} held-out documents.
+
+## Prompt format
+One exchange is `<|user|>\n{{prompt}}\n<|assistant|>\n{{response}}<|end|>`; the tokenizer's chat template
+produces it, and `<|end|>` is the end-of-sequence token. `<|mask|>` is reserved (never trained) for
+block drafters' mask slots.
+
+## Reproduce
+`python scripts/train_bundled_model.py --out models/target --steps {card["steps"]}` (same Python version
+for the same corpus).
+"""
+    (out / "README.md").write_text(text)
 
 
 if __name__ == "__main__":
