@@ -12,6 +12,10 @@
 - Cache: only committed rows are ever stored. The chain's K/V live in a temporary tensor for the round,
   which is exactly DeepSpec's "crop the draft cache back to its pre-proposal length, then extend with the
   verify-pass features of positions start..start+a paired with the committed tokens".
+- Training (`ttt_forward`, training-time test): the chain unrolled over every position of a sequence at
+  once with teacher tokens; step s of row p consumes row p's own step s-1 hidden state and sees step-0
+  keys of rows <= p plus its own row's keys of steps 1..s (a dense boolean mask for SDPA), which is
+  exactly what `extend` + `chain` compute at inference.
 
 Parameter names equal DeepSpec's Qwen3Eagle3Model (`fc`, `layers.0.hidden_norm`, ...; full vocabulary, no
 d2t/t2d maps). Drafters know nothing about tokenization, gRPC, verification or scheduling.

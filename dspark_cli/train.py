@@ -1,0 +1,173 @@
+"""`dspark train`: prompts -> self-distillation -> target cache -> drafter training -> checkpoint.
+
+Runs alone or under `torchrun --nproc-per-node N` unchanged: this module is the only place that reads
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
+hands it to dspark_core as a DistConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from dspark_core.errors import InvalidArgument
+
+from .models import default_target
+
+KINDS = ("dspark", "dspark-rnn", "dflash", "eagle3")
+
+
+def _layer_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated layer ids, e.g. 1,9,17; got {text!r}") from None
+
+
+def _decay(text: str) -> float | None:
+    if text == "paper":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or 'paper'; got {text!r}") from None
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a drafter for a target (self-distillation, target cache, training)",
+        description="Train a DSpark / DSpark-RNN / DFlash / Eagle3 drafter for TARGET. Prompts (the 80%% train "
+                    "split) are answered by the target itself, the target's features are cached, and the drafter "
+                    "is trained from the cache. Runs unchanged under torchrun --nproc-per-node N.")
+    p.add_argument("--kind", default="dspark", choices=KINDS, help="drafter to train (default dspark)")
+    p.add_argument("--target", default=None, help="target model directory (any HF causal LM; default: bundled)")
+    p.add_argument("--data", nargs="+", required=True, metavar="JSONL",
+                   help="DeepSpec-format prompt files ({\"turns\": [...]} per line); the train split is used")
+    p.add_argument("--out", required=True, help="run directory: checkpoints/, final/, metrics.jsonl, training card")
+    p.add_argument("--cache-dir", default=None, help="target cache directory (default OUT/cache); reused when it "
+                                                     "was built from the same target, layers, prompts and settings")
+    p.add_argument("--rebuild-cache", action="store_true", help="discard an existing cache in --cache-dir")
+    p.add_argument("--limit-prompts", type=int, default=None, help="first N prompts of each file")
+    p.add_argument("--eval-fraction", type=float, default=0.2, help="held-out fraction of the fixed split (0.2)")
+    g = p.add_argument_group("distillation")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="response tokens per prompt (default 256)")
+    g.add_argument("--distill-temperature", type=float, default=1.0, help="target sampling temperature (1.0)")
+    g.add_argument("--concurrency", type=int, default=32, help="prompts answered at once per rank (32)")
+    g.add_argument("--cache-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of cached features (default bfloat16)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    g.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks (default 32)")
+    g.add_argument("--micro-batch", type=int, default=1, help="sequences per forward per rank (default 1)")
+    g.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (default 6e-4)")
+    g.add_argument("--warmup-ratio", type=float, default=0.04, help="linear warm-up share of the steps (0.04)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (default 1.0)")
+    g.add_argument("--num-anchors", type=int, default=512, help="blocks per sequence at most (default 512)")
+    g.add_argument("--max-length", type=int, default=4096, help="tokens per sequence at most (default 4096)")
+    g.add_argument("--seed", type=int, default=0, help="initialisation, sample order, anchors, distillation")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0 = end only)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
+    g.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
+    g.add_argument("--fsdp", action="store_true", help="shard parameters / gradients / optimizer (FSDP2) "
+                                                      "instead of DistributedDataParallel")
+    g.add_argument("--bf16", action="store_true", help="bfloat16 autocast (CUDA only)")
+    g = p.add_argument_group("drafter and loss")
+    g.add_argument("--block-size", type=int, default=7, help="gamma: block size / Eagle3 TTT length (default 7)")
+    g.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: min(5, target layers / 6))")
+    g.add_argument("--markov-rank", type=int, default=None, help="Markov rank r (default: hidden / 8 in [16, 256])")
+    g.add_argument("--target-layers", type=_layer_ids, default=None, help="tapped target layers, e.g. 1,9,17,25,33")
+    g.add_argument("--ce-weight", type=float, default=None, help="CE weight (dspark 0.1, dflash 1.0)")
+    g.add_argument("--tv-weight", type=float, default=None, help="TV weight (dspark 0.9)")
+    g.add_argument("--confidence-weight", type=float, default=None, help="confidence BCE weight (dspark 1.0)")
+    g.add_argument("--position-decay", type=_decay, default=4.0,
+                   help="slot weights exp(-j / DECAY); 'paper' = block size (default 4, the reference code)")
+    g.add_argument("--step-decay", type=float, default=0.8, help="Eagle3 TTT step weights DECAY^s (0.8)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda when present")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def dist_config_from_env(device: str):
+    """torchrun's variables -> DistConfig (a world of one without them)."""
+    from dspark_core.training.distributed import DistConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    init = None
+    if world > 1:
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
+        init = f"tcp://{addr}:{port}"
+    return DistConfig(rank=int(os.environ.get("RANK", "0")), world_size=world,
+                      local_rank=int(os.environ.get("LOCAL_RANK", "0")), init_method=init, device=device)
+
+
+def _target_layers(target_dir: str, args) -> tuple[int, ...]:
+    from transformers import AutoConfig
+
+    from dspark_core.training.trainer import default_target_layers
+
+    if args.target_layers:
+        return args.target_layers
+    try:
+        hf = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure here is a bad target directory
+        raise InvalidArgument("--target", target_dir, f"must be a Hugging Face model directory ({exc})") from None
+    hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return default_target_layers(hf.num_hidden_layers)
+
+
+def run(args) -> int:
+    import gc
+
+    import torch
+
+    from dspark_core.target import TargetConfig, TargetRuntime
+    from dspark_core.training.data import load_prompts, split
+    from dspark_core.training.distributed import init_distributed
+    from dspark_core.training.prepare import DistillSettings, prepare_target_cache
+    from dspark_core.training.trainer import TrainConfig, Trainer, fresh_drafter
+
+    cfg = TrainConfig(
+        kind=args.kind, out_dir=args.out, steps=args.steps, global_batch=args.global_batch,
+        micro_batch=args.micro_batch, lr=args.lr, warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip,
+        num_anchors=args.num_anchors, seed=args.seed, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, max_length=args.max_length, block_size=args.block_size,
+        draft_layers=args.draft_layers, markov_rank=args.markov_rank, target_layer_ids=args.target_layers,
+        ce_weight=args.ce_weight, tv_weight=args.tv_weight, confidence_weight=args.confidence_weight,
+        position_decay=args.position_decay, step_decay=args.step_decay, fsdp=args.fsdp, bf16=args.bf16)
+    settings = DistillSettings(max_new_tokens=args.max_new_tokens, temperature=args.distill_temperature,
+                               seed=args.seed, concurrency=args.concurrency, dtype=args.cache_dtype)
+    ctx = init_distributed(dist_config_from_env(args.device))
+    try:
+        if ctx.device.type == "cpu" and ctx.distributed:  # share the cores between the local ranks
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(ctx.world_size)))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if ctx.is_main else (lambda msg: None)
+        prompts = [p for f in args.data for p in load_prompts(f, limit=args.limit_prompts)]
+        train_prompts, held_out = split(prompts, args.eval_fraction)
+        say(f"prompts: {len(prompts)} ({len(train_prompts)} train, {len(held_out)} held out for evaluation)")
+        target_dir = args.target or default_target()
+        taps = _target_layers(target_dir, args)
+        cfg = dataclasses.replace(cfg, target_layer_ids=taps)
+        target = TargetRuntime(TargetConfig(model_dir=target_dir, device=str(ctx.device), dtype="auto",
+                                            tap_layer_ids=taps))
+        cache = prepare_target_cache(target, train_prompts, args.cache_dir or Path(args.out) / "cache", ctx,
+                                     settings, rebuild=args.rebuild_cache, progress=not args.no_progress, log=say)
+        drafter = fresh_drafter(target, cfg)
+        del target
+        gc.collect()
+        data_info = {"prompt_files": [str(f) for f in args.data], "train_prompts": len(train_prompts),
+                     "held_out_prompts": len(held_out), "distill": settings.__dict__}
+        trainer = Trainer(cfg, cache, drafter, ctx, resume=args.resume, data_info=data_info,
+                          progress=not args.no_progress)
+        if args.resume and trainer.step:
+            say(f"resuming at step {trainer.step} from {Path(args.out) / 'checkpoints'}")
+        result = trainer.train()
+        say(f"trained {result.steps} steps, {result.tokens} tokens in {result.seconds:.1f} s "
+            f"({result.tokens_per_second:.0f} tokens/s); drafter: {result.checkpoint}")
+        say("final losses: " + ", ".join(f"{k} {v:.4f}" for k, v in result.final_losses.items()))
+    finally:
+        ctx.close()
+    return 0

@@ -1,0 +1,138 @@
+"""Training data end to end: prompts -> self-distillation -> target cache, shared across ranks.
+
+`prepare_target_cache` runs on every rank of a job:
+1. if `cache_dir` already holds a complete cache built from the same inputs (same target, tapped layers,
+   prompts and distillation settings, recorded in `source.json`), it is reused as is;
+2. otherwise rank r distills prompts r, r + W, ... through the target (data.distill), the samples are
+   gathered on every rank in prompt order (at temperature 0 the cache is the same for any world size; at
+   T > 0 data.distill seeds requests by their index within a rank, so the sampled responses depend on
+   the world size), rank 0 prints the estimated cache size (cache.estimate_cache_bytes)
+   and writes `samples.jsonl`, each rank caches its slice (cache.build_target_cache(rank=, world_size=)),
+   and rank 0 merges the manifests after a barrier.
+
+Knows nothing about drafters, optimisers or the command line; it prints nothing itself (`log` callback).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dspark_core.errors import InvalidArgument
+from dspark_core.training.cache import (TargetCache, build_target_cache, estimate_cache_bytes, human_bytes,
+                                        merge_manifests)
+from dspark_core.text import encode_prompt
+from dspark_core.training.data import Prompt, Sample, distill
+
+SOURCE_FILE = "source.json"
+SAMPLES_FILE = "samples.jsonl"
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    seed: int = 0
+    concurrency: int = 32
+    dtype: str = "bfloat16"  # cache dtype
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens", self.max_new_tokens, "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise InvalidArgument("temperature", self.temperature, "must be >= 0")
+        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
+            raise InvalidArgument("concurrency", self.concurrency, "must be an integer >= 1")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise InvalidArgument("dtype", self.dtype, "must be bfloat16, float16 or float32")
+
+
+def source_fingerprint(target, prompts: list[Prompt], settings: DistillSettings) -> dict:
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(p.key.encode())
+    return {"target": target.name, "tap_layer_ids": list(target.config.tap_layer_ids),
+            "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+            "num_prompts": len(prompts), "prompts_sha256": h.hexdigest(), "distill": asdict(settings)}
+
+
+_MISMATCH = ("holds a target cache built from other inputs (target, tapped layers, prompts or distillation "
+             "settings differ); pass a fresh --cache-dir or --rebuild-cache")
+
+
+def _cache_status(cache_dir: Path, fingerprint: dict) -> str:
+    """'reuse', 'build' or 'mismatch'."""
+    if not (cache_dir / "manifest.json").is_file():
+        return "build"
+    try:
+        recorded = json.loads((cache_dir / SOURCE_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        recorded = None
+    return "reuse" if recorded == fingerprint else "mismatch"
+
+
+def _clear(cache_dir: Path) -> None:
+    """Remove a previous cache's files (only the ones a cache consists of)."""
+    for pattern in ("shard-rank*.safetensors", "manifest*.json", SOURCE_FILE, SAMPLES_FILE):
+        for f in cache_dir.glob(pattern):
+            f.unlink()
+
+
+def prepare_target_cache(target, prompts: list[Prompt], cache_dir: str | Path, ctx, settings: DistillSettings,
+                         *, rebuild: bool = False, progress: bool = True,
+                         log: Callable[[str], None] | None = None) -> TargetCache:
+    """Collective over the ranks in `ctx` (a DistContext); returns the opened cache on every rank."""
+    log = log if (log is not None and ctx.is_main) else (lambda _msg: None)
+    cache_dir = Path(cache_dir)
+    fingerprint = source_fingerprint(target, prompts, settings)
+    status = None
+    if ctx.is_main:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        if rebuild:
+            _clear(cache_dir)
+        status = _cache_status(cache_dir, fingerprint)
+    status = ctx.broadcast_object(status)
+    if status == "mismatch":
+        raise InvalidArgument("cache_dir", str(cache_dir), _MISMATCH)
+    if status == "reuse":
+        cache = TargetCache(cache_dir)
+        log(f"reusing target cache {cache_dir} ({cache.manifest.num_samples} sequences, "
+            f"{cache.manifest.num_tokens} tokens)")
+        return cache
+    if not prompts:
+        raise InvalidArgument("prompts", 0, "must hold at least one training prompt")
+    # Keep only prompts that fit (as distill would), so that sample i of rank r is prompt r + W * i and the
+    # gathered samples come back in prompt order whatever the world size.
+    limit = target.max_context - settings.max_new_tokens - 1
+    fitting = [p for p in prompts if len(encode_prompt(target.tokenizer, p.text)) <= limit]
+    mine = fitting[ctx.rank::ctx.world_size]
+    local = distill(target, mine, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                    seed=settings.seed * 1_000 + ctx.rank, concurrency=settings.concurrency,
+                    max_prompt_tokens=limit, progress=progress and ctx.is_main)
+    assert len(local) == len(mine), "distill skipped a prompt that fits"
+    gathered = ctx.all_gather_object([(s.prompt_ids, s.response_ids, s.domain) for s in local])
+    order = [(i * ctx.world_size + r, item) for r, part in enumerate(gathered) for i, item in enumerate(part)]
+    samples = [Sample(list(p), list(resp), d) for _, (p, resp, d) in sorted(order, key=lambda x: x[0])]
+    if not samples:
+        raise InvalidArgument("prompts", len(prompts), "produced no training sequence (all too long for the target?)")
+    num_tokens = sum(len(s.input_ids) for s in samples)
+    size = estimate_cache_bytes(num_tokens, len(target.config.tap_layer_ids), target.hidden_size, settings.dtype)
+    log(f"target cache: {len(samples)} sequences, {num_tokens} tokens, about {human_bytes(size)} "
+        f"({settings.dtype}) -> {cache_dir}")
+    if ctx.is_main:
+        with (cache_dir / SAMPLES_FILE).open("w") as fh:
+            for s in samples:
+                fh.write(json.dumps({"prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
+                                     "domain": s.domain}) + "\n")
+    build_target_cache(target, samples, cache_dir, dtype=settings.dtype, rank=ctx.rank, world_size=ctx.world_size,
+                       progress=progress and ctx.is_main)
+    ctx.barrier()
+    if ctx.is_main:
+        if ctx.world_size > 1:
+            merge_manifests(cache_dir, ctx.world_size)
+        (cache_dir / SOURCE_FILE).write_text(json.dumps(fingerprint, indent=1) + "\n")
+    ctx.barrier()
+    return TargetCache(cache_dir)

@@ -1,0 +1,192 @@
+"""`dspark train` end to end on the tiny target, exact resume, checkpoint format, cache compatibility."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark_cli.main import main
+from dspark_core.drafters import DrafterConfig, build_drafter, load_drafter
+from dspark_core.errors import InvalidArgument
+from dspark_core.target import TargetConfig, TargetRuntime
+from dspark_core.training.cache import TargetCache
+from dspark_core.training.data import load_prompts, split
+from dspark_core.training.distributed import DistConfig, init_distributed
+from dspark_core.training.prepare import DistillSettings, prepare_target_cache
+from dspark_core.training.trainer import (TrainConfig, Trainer, default_target_layers, drafter_config_for_target,
+                                          fresh_drafter, lr_factor, mask_token_for)
+
+PROMPTS = ["def add(a, b):", "What is 12 * 7?", "Explain what a list is.", "for i in range(10):", "The answer is",
+           "Write a function", "Compute 3 + 4", "What is Python?", "print hello", "Sum a list"]
+TRAIN_ARGS = ["--max-new-tokens", "20", "--num-anchors", "12", "--block-size", "4", "--cache-dtype", "float32",
+              "--device", "cpu", "--no-progress"]
+
+
+def write_prompts(path, n=24):
+    texts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(n)]
+    path.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
+    return path
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def cli_run(tiny_target_dir, tmp_path_factory):
+    """One real `dspark train` (distillation, cache, training), shared by the tests below."""
+    root = tmp_path_factory.mktemp("train")
+    data = write_prompts(root / "mbpp.jsonl")
+    out = root / "run"
+    rc = main(["train", "--kind", "dspark", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(out),
+               "--steps", "12", "--global-batch", "6", "--lr", "3e-3", "--checkpoint-every", "5", *TRAIN_ARGS])
+    assert rc == 0
+    return out, data
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32",
+                                      tap_layer_ids=default_target_layers(4)))
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return init_distributed(DistConfig(device="cpu"))
+
+
+def test_dspark_train_end_to_end_lowers_the_loss_and_writes_a_loadable_drafter(cli_run):
+    out, _ = cli_run
+    curve = losses(out)
+    assert len(curve) == 12
+    assert sum(curve[-3:]) / 3 < curve[0] - 0.05
+    drafter = load_drafter(out / "final")
+    assert drafter.kind == "dspark" and drafter.block_size == 4 and drafter.has_confidence
+    assert drafter.target_layer_ids == (0, 1, 2) and drafter.config.mask_token_id is not None
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert steps == ["step-000010", "step-000012"]  # every 5 steps + the end, newest 2 kept
+    assert (out / "checkpoints" / "step-000012" / "trainer_state.pt").is_file()
+    card = json.loads((out / "training_card.json").read_text())
+    assert card["steps"] == 12 and card["tokens_processed"] > 0 and card["data"]["num_samples"] > 10
+    assert set(card["final_losses"]) >= {"loss", "ce", "tv", "conf"}
+    assert "tokens/s" in (out / "README.md").read_text()
+    cache_dir = out / "cache"
+    assert (cache_dir / "source.json").is_file() and (cache_dir / "samples.jsonl").is_file()
+
+
+def test_frozen_embedding_and_head_are_the_targets(cli_run, target):
+    drafter = load_drafter(cli_run[0] / "final")
+    torch.testing.assert_close(drafter.embed_tokens.weight, target.model.get_input_embeddings().weight, rtol=0, atol=0)
+    torch.testing.assert_close(drafter.lm_head.weight, target.model.get_output_embeddings().weight, rtol=0, atol=0)
+    assert drafter.config.mask_token_id == target.tokenizer.get_vocab()["<|mask|>"]
+
+
+class _Killed(Exception):
+    pass
+
+
+class _DiesAfter(Trainer):
+    """A trainer whose process 'dies' when it starts step `die_at + 1`."""
+
+    die_at = 3
+
+    def train_step(self):
+        if self.step == self.die_at:
+            raise _Killed
+        return super().train_step()
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_resume_continues_exactly(cli_run, target, ctx, tmp_path, kind):
+    cache = TargetCache(cli_run[0] / "cache")
+
+    def config(out):
+        return TrainConfig(kind=kind, out_dir=str(out), steps=6, global_batch=4, micro_batch=2, lr=3e-3,
+                           num_anchors=8, block_size=3, checkpoint_every=3, target_layer_ids=(0, 1, 2))
+
+    full = tmp_path / "full"
+    Trainer(config(full), cache, fresh_drafter(target, config(full)), ctx, progress=False).train()
+    cut = tmp_path / "cut"
+    with pytest.raises(_Killed):
+        _DiesAfter(config(cut), cache, fresh_drafter(target, config(cut)), ctx, progress=False).train()
+    assert len(losses(cut)) == 3
+    resumed = Trainer(config(cut), cache, fresh_drafter(target, config(cut)), ctx, resume=True, progress=False)
+    assert resumed.step == 3 and resumed.position == 12
+    resumed.train()
+    a, b = load_file(str(full / "final" / "model.safetensors")), load_file(str(cut / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert losses(cut) == losses(full)
+
+
+def test_cache_refuses_a_drafter_with_other_layers_or_hidden_size(cli_run, target, ctx, tmp_path):
+    cache = TargetCache(cli_run[0] / "cache")
+    cfg = TrainConfig(out_dir=str(tmp_path), steps=1, global_batch=1, block_size=3, target_layer_ids=(0, 1))
+    with pytest.raises(InvalidArgument, match="target_layer_ids"):
+        Trainer(cfg, cache, fresh_drafter(target, cfg), ctx, progress=False)
+    narrow = DrafterConfig(architecture="Qwen3DSparkModel", vocab_size=target.vocab_size, hidden_size=32,
+                           intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           num_hidden_layers=1, target_layer_ids=(0, 1, 2), block_size=3, mask_token_id=0,
+                           markov_rank=8, enable_confidence_head=True)
+    with pytest.raises(InvalidArgument, match="hidden_size"):
+        Trainer(TrainConfig(out_dir=str(tmp_path), steps=1, global_batch=1), cache, build_drafter(narrow), ctx,
+                progress=False)
+
+
+def test_a_cache_dir_built_from_other_prompts_is_not_reused(cli_run, target, ctx):
+    out, data = cli_run
+    train, _ = split(load_prompts(data))
+    settings = DistillSettings(max_new_tokens=20, dtype="float32")
+    cache = prepare_target_cache(target, train, out / "cache", ctx, settings, progress=False)  # same inputs: reused
+    assert len(cache) == json.loads((out / "cache" / "manifest.json").read_text())["num_samples"]
+    with pytest.raises(InvalidArgument, match="cache_dir"):
+        prepare_target_cache(target, train[:-1], out / "cache", ctx, settings, progress=False)
+
+
+def test_drafter_shape_defaults_for_a_target(target):
+    assert default_target_layers(36) == (1, 9, 17, 25, 33)  # DeepSpec's Qwen3-4B choice
+    assert default_target_layers(4) == (0, 1, 2) and default_target_layers(2) == (0,)
+    dspark = drafter_config_for_target(target, TrainConfig(target_layer_ids=(0, 1, 2)))
+    assert (dspark.block_size, dspark.num_hidden_layers, dspark.markov_rank) == (7, 1, 16)
+    assert dspark.hidden_size == target.hidden_size and dspark.vocab_size == target.vocab_size
+    eagle = drafter_config_for_target(target, TrainConfig(kind="eagle3", block_size=5))
+    assert eagle.kind == "eagle3" and eagle.ttt_length == 5
+    dflash = drafter_config_for_target(target, TrainConfig(kind="dflash"))
+    assert dflash.kind == "dflash"
+    assert mask_token_for(None, 100) == 99
+
+
+def test_lr_warms_up_then_decays_to_zero():
+    f = [lr_factor(s, 100, 0.04) for s in range(100)]
+    assert f[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and f[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[3:], f[4:])) and f[-1] < 0.001
+
+
+def test_train_config_names_the_bad_field():
+    with pytest.raises(InvalidArgument, match="global_batch"):
+        TrainConfig(global_batch=0)
+    with pytest.raises(InvalidArgument, match="kind"):
+        TrainConfig(kind="medusa")
+    with pytest.raises(InvalidArgument, match="target_layer_ids"):
+        TrainConfig(target_layer_ids=(3, 1))
+    with pytest.raises(InvalidArgument, match="draft_layers"):
+        TrainConfig(kind="eagle3", draft_layers=2)
+
+
+def test_a_fresh_run_refuses_an_output_directory_with_checkpoints(cli_run, target, ctx):
+    out = cli_run[0]
+    cfg = TrainConfig(out_dir=str(out), steps=12, global_batch=6, block_size=4, target_layer_ids=(0, 1, 2))
+    with pytest.raises(InvalidArgument, match="out_dir"):
+        Trainer(cfg, TargetCache(out / "cache"), fresh_drafter(target, cfg), ctx, progress=False)
