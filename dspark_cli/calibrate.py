@@ -1,0 +1,115 @@
+"""`dspark calibrate`: fit STS confidence temperatures on held-out rollouts and save them beside the drafter.
+
+Rollouts: the drafter decodes the eval split of each `--dataset` (first turn, `--limit K` first eval prompts
+per file) with the fixed policy (every draft verified) at T = 1.0, logging each round's raw confidence
+logits and accepted count. Those eval prompts are split once more, alternately by prompt: even-numbered
+prompts fit the temperatures, odd-numbered ones check them (the before/after table is on the check half,
+out of sample). `--no-holdout` fits and reports on everything (in sample, labelled as such).
+Writes `<drafter>/calibration.json` = {"method": "sts", "temperatures": [...], ...}; `load_drafter` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dspark_core.errors import InvalidArgument
+
+from .eval import add_common_args, check_common, load_models, load_prompt_sets
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit STS confidence temperatures for a DSpark drafter",
+                       description="Collect fixed-policy rollouts on the eval split, fit sequential temperature "
+                                   "scaling, write calibration.json beside the drafter and print ECE / AUC by "
+                                   "position.")
+    add_common_args(p, max_new_tokens=128)
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="write reliability diagrams here: reliability_before.png (raw), reliability_after.png (STS)")
+    p.add_argument("--no-holdout", action="store_true",
+                   help="fit and report on all rollouts (default: fit on even prompts, report on odd ones)")
+    p.add_argument("--min-rounds", type=int, default=50,
+                   help="positions with fewer fitting rounds keep t = 1 (default 50)")
+    p.add_argument("--dry-run", action="store_true", help="fit and report, but do not write calibration.json")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from dspark_core import calibration as cal
+    from dspark_core.evaluation import run_rounds
+
+    check_common(args)
+    target, drafter, path = load_models(args)
+    if not drafter.has_confidence:
+        raise InvalidArgument("--drafter", Path(path).name, "has no confidence head; only DSpark drafters calibrate")
+    sets = load_prompt_sets(args, target.tokenizer)
+    prompts = [ids for s in sets for ids in s["prompts"]]
+    torch.manual_seed(args.seed)
+    log = run_rounds(target, drafter, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                     seed=args.seed, concurrency=args.concurrency, stop_token_ids=target.eos_token_ids)
+    records = cal.RolloutRecords.from_rounds(log.confidence_logits, log.accepted, log.proposed,
+                                             gamma=drafter.block_size)
+    odd = np.asarray(log.prompt_index) % 2 == 1
+    holdout = not args.no_holdout and odd.any() and (~odd).any()
+    fit_on = records.subset(~odd) if holdout else records
+    check_on = records.subset(odd) if holdout else records
+    temps = cal.fit_sts(fit_on, min_rounds=args.min_rounds)
+    table = cal.calibration_table(check_on, None, temps)
+    result = {
+        "drafter": Path(path).name, "drafter_path": str(path), "temperatures": list(temps),
+        "datasets": [s["dataset"] for s in sets], "split": sets[0]["split"], "num_prompts": len(prompts),
+        "rounds_fit": len(fit_on), "rounds_check": len(check_on),
+        "table_on": "held-out half (odd prompts)" if holdout else "all rollouts (in sample)",
+        "min_rounds": args.min_rounds,
+        "unfitted_positions": [k + 1 for k in range(records.gamma)
+                               if int((fit_on.proposed >= k + 1).sum()) < max(args.min_rounds, 1)],
+        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "table": table,
+    }
+    if not args.dry_run:
+        meta = {k: result[k] for k in ("datasets", "num_prompts", "rounds_fit", "temperature", "max_new_tokens")}
+        meta["ece_survival_raw"] = [r["ece_survival_raw"] for r in table]
+        meta["ece_survival_sts"] = [r["ece_survival_sts"] for r in table]
+        result["written"] = str(cal.write_calibration(path, temps, {"fitted_on": meta}))
+    if args.plots:
+        from dspark_core.report import plot_reliability
+
+        before = cal.reliability_by_position(check_on, None)
+        after = cal.reliability_by_position(check_on, temps)
+        out = Path(args.plots)
+        result["plots"] = [
+            str(plot_reliability(before, None, out / "reliability_before.png",
+                                 f"{result['drafter']}: raw ({result['table_on']})")),
+            str(plot_reliability(before, after, out / "reliability_after.png",
+                                 f"{result['drafter']}: STS vs raw ({result['table_on']})")),
+        ]
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        print(table_text(result))
+    return 0
+
+
+def table_text(r: dict) -> str:
+    def f(x):
+        return "   -  " if x is None or x != x else f"{x:6.3f}"
+
+    lines = [f"STS for {r['drafter']}: {r['num_prompts']} prompts ({', '.join(r['datasets'])}; split {r['split']}), "
+             f"{r['rounds_fit']} rounds fitted; table on {r['table_on']} ({r['rounds_check']} rounds)",
+             "survival a_k = prod c_i vs prefix accepted | conditional c_k vs k-th accepted given < k accepted",
+             "  k   t_k    rounds  rate   ECE raw  ECE STS  AUC   | rounds  ECE raw  ECE STS  AUC"]
+    for row, t in zip(r["table"], r["temperatures"]):
+        lines.append(f"{row['position']:3d} {t:6.3f} {row['rounds']:8d} {f(row['prefix_accept_rate'])} "
+                     f"{f(row['ece_survival_raw'])}  {f(row['ece_survival_sts'])} {f(row['auc_survival'])} | "
+                     f"{row['conditional_rounds']:6d} {f(row['ece_conditional_raw'])}  "
+                     f"{f(row['ece_conditional_sts'])} {f(row['auc_conditional'])}")
+    if r["unfitted_positions"]:
+        lines.append(f"positions {r['unfitted_positions']} had < {r['min_rounds']} fitting rounds: t = 1 kept")
+    if "written" in r:
+        lines.append(f"wrote {r['written']}")
+    for p in r.get("plots", []):
+        lines.append(f"wrote {p}")
+    return "\n".join(lines)

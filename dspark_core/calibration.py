@@ -1,0 +1,257 @@
+"""Confidence calibration: sequential temperature scaling (STS), ECE, ROC-AUC and reliability data.
+
+Input is a set of rollout records (algorithms.md section 6): for every drafting round of held-out
+requests, the raw confidence logits of the proposed positions and how many drafts were accepted. At
+position k (1-based) a round counts only if it proposed at least k drafts; its label is the prefix
+indicator `accepted >= k`.
+
+Two views of the same confidences, never mixed up:
+- conditional: `c_k = sigmoid(logit_k / t_k)`, the head's meaning "P(slot k accepted | slots < k were)";
+  it is scored against `accepted >= k` among rounds whose first k-1 drafts *were* accepted;
+- survival: `a_k = prod_{i<=k} c_i`, "P(prefix of length k accepted)", scored against `accepted >= k` over
+  every round that proposed k.
+STS fits t_1..t_gamma in order, each by grid search minimising the ECE of the survival a_k (20 equal-width
+bins) with the earlier temperatures fixed. Temperature scaling is monotone per position, so the conditional
+ranking (and its AUC) is unchanged; survival AUC can move slightly because a_k mixes positions.
+
+Pure numpy on arrays: knows nothing about engines, models or files beyond writing `calibration.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InvalidArgument
+
+NUM_BINS = 20
+# log-spaced temperatures from 0.05 to 20, plus exactly 1.0 (no change)
+DEFAULT_GRID = tuple(sorted(set(np.round(np.geomspace(0.05, 20.0, 241), 6).tolist()) | {1.0}))
+
+
+@dataclass(frozen=True)
+class RolloutRecords:
+    """Per drafting round: raw confidence logits of the proposed positions and the accepted count."""
+
+    # [N, gamma] float64, NaN past `proposed`
+    logits: np.ndarray
+    # [N] int: drafts the target verified that round
+    proposed: np.ndarray
+    # [N] int: drafts accepted that round (the bonus token is not a draft)
+    accepted: np.ndarray
+
+    def __post_init__(self):
+        if self.logits.ndim != 2 or self.proposed.shape != (self.logits.shape[0],) \
+                or self.accepted.shape != self.proposed.shape:
+            raise InvalidArgument("records", (self.logits.shape, self.proposed.shape, self.accepted.shape),
+                                  "must be logits [N, gamma], proposed [N], accepted [N]")
+        if (self.accepted > self.proposed).any() or (self.proposed > self.gamma).any() or (self.accepted < 0).any():
+            raise InvalidArgument("records.accepted", "out of range", "must satisfy 0 <= accepted <= proposed <= gamma")
+
+    @property
+    def gamma(self) -> int:
+        return int(self.logits.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.proposed.shape[0])
+
+    @classmethod
+    def from_rounds(cls, confidence_logits: list[list[float]], accepted: list[int],
+                    proposed: list[int] | None = None, gamma: int | None = None) -> RolloutRecords:
+        """One entry per round; `proposed` defaults to the number of logits given for that round."""
+        if len(confidence_logits) != len(accepted):
+            raise InvalidArgument("accepted", len(accepted),
+                                  f"must have one entry per round ({len(confidence_logits)})")
+        proposed = [len(c) for c in confidence_logits] if proposed is None else list(proposed)
+        gamma = gamma or max([len(c) for c in confidence_logits] + [1])
+        logits = np.full((len(accepted), gamma), np.nan)
+        for i, (row, n) in enumerate(zip(confidence_logits, proposed)):
+            if len(row) < n:
+                raise InvalidArgument(f"confidence_logits[{i}]", len(row), f"must cover the {n} proposed positions")
+            logits[i, :n] = row[:n]
+        return cls(logits, np.asarray(proposed, dtype=np.int64), np.asarray(accepted, dtype=np.int64))
+
+    def subset(self, mask: np.ndarray) -> RolloutRecords:
+        return RolloutRecords(self.logits[mask], self.proposed[mask], self.accepted[mask])
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+def _check_pair(probs, labels) -> tuple[np.ndarray, np.ndarray]:
+    p, y = np.asarray(probs, dtype=np.float64).ravel(), np.asarray(labels, dtype=np.float64).ravel()
+    if p.shape != y.shape:
+        raise InvalidArgument("labels", y.shape, f"must match the scores' shape {p.shape}")
+    return p, y
+
+
+def _bin_index(p: np.ndarray, bins: int) -> np.ndarray:
+    """Equal-width bins on [0, 1]; 1.0 falls in the last bin."""
+    return np.clip((p * bins).astype(np.int64), 0, bins - 1)
+
+
+def ece(probs, labels, bins: int = NUM_BINS) -> float:
+    """Expected calibration error: sum_b n_b / n * |mean(p in b) - mean(y in b)| (NaN when empty)."""
+    p, y = _check_pair(probs, labels)
+    if p.size == 0:
+        return math.nan
+    idx = _bin_index(p, bins)
+    # per bin |sum(p) - sum(y)| = n_b * |mean(p) - mean(y)|
+    gap = np.abs(np.bincount(idx, weights=p, minlength=bins) - np.bincount(idx, weights=y, minlength=bins))
+    return float(gap.sum() / p.size)
+
+
+def reliability(probs, labels, bins: int = NUM_BINS) -> dict[str, list]:
+    """Reliability-diagram data per equal-width bin: count, mean confidence, observed frequency (None if empty)."""
+    p, y = _check_pair(probs, labels)
+    idx = _bin_index(p, bins)
+    counts = np.bincount(idx, minlength=bins)
+    sp = np.bincount(idx, weights=p, minlength=bins)
+    sy = np.bincount(idx, weights=y, minlength=bins)
+    return {
+        "bin_edges": np.linspace(0.0, 1.0, bins + 1).round(6).tolist(),
+        "count": counts.tolist(),
+        "confidence": [float(a / n) if n else None for a, n in zip(sp, counts)],
+        "accuracy": [float(a / n) if n else None for a, n in zip(sy, counts)],
+    }
+
+
+def _average_ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties share the average rank."""
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    ranks = np.empty(x.size, dtype=np.float64)
+    i = 0
+    while i < x.size:
+        j = i
+        while j + 1 < x.size and xs[j + 1] == xs[i]:
+            j += 1
+        ranks[order[i : j + 1]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    return ranks
+
+
+def roc_auc(scores, labels) -> float:
+    """ROC-AUC by the rank-sum (Mann-Whitney) formula with average ranks for ties; NaN if a class is missing."""
+    s, y = _check_pair(scores, labels)
+    pos = y > 0.5
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    ranks = _average_ranks(s)
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+# ---- the two views --------------------------------------------------------------------------------
+
+def _temps(records: RolloutRecords, temperatures) -> np.ndarray:
+    t = np.ones(records.gamma) if temperatures is None else np.asarray(temperatures, dtype=np.float64)
+    if t.shape != (records.gamma,) or not (t > 0).all():
+        raise InvalidArgument("temperatures", list(np.atleast_1d(t)), f"must be {records.gamma} numbers > 0")
+    return t
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # stable for large |x|, NaN stays NaN
+
+
+def conditional_confidences(records: RolloutRecords, temperatures=None) -> np.ndarray:
+    """[N, gamma] c_k = sigmoid(logit_k / t_k) (NaN past `proposed`)."""
+    return _sigmoid(records.logits / _temps(records, temperatures)[None, :])
+
+
+def survival_confidences(records: RolloutRecords, temperatures=None) -> np.ndarray:
+    """[N, gamma] a_k = prod_{i<=k} c_i (NaN past `proposed`)."""
+    return np.cumprod(conditional_confidences(records, temperatures), axis=1)
+
+
+def position_view(records: RolloutRecords, k: int, temperatures=None, view: str = "survival"):
+    """(scores, labels) at 1-based position k: survival over rounds that proposed k, or conditional over
+    those rounds whose first k-1 drafts were accepted."""
+    rows = records.proposed >= k
+    if view == "conditional":
+        rows &= records.accepted >= k - 1
+        scores = conditional_confidences(records, temperatures)[rows, k - 1]
+    elif view == "survival":
+        scores = survival_confidences(records, temperatures)[rows, k - 1]
+    else:
+        raise InvalidArgument("view", view, "must be 'survival' or 'conditional'")
+    return scores, (records.accepted[rows] >= k).astype(np.float64)
+
+
+# ---- STS -------------------------------------------------------------------------------------------
+
+def fit_sts(records: RolloutRecords, grid=DEFAULT_GRID, bins: int = NUM_BINS, min_rounds: int = 1
+            ) -> tuple[float, ...]:
+    """Sequential temperature scaling: t_1..t_gamma, each minimising the survival ECE at its position with
+    the earlier ones fixed. A position with fewer than `min_rounds` rounds keeps t = 1 (too little data to
+    fit). Ties in ECE go to the t closest to 1."""
+    if len(records) == 0:
+        raise InvalidArgument("records", 0, "must hold at least one round to calibrate on")
+    grid = np.asarray(sorted(grid), dtype=np.float64)
+    if grid.size == 0 or not (grid > 0).all():
+        raise InvalidArgument("grid", grid.tolist(), "must be non-empty positive temperatures")
+    prefer = np.abs(np.log(grid))  # tie-break: least change
+    temps: list[float] = []
+    prefix = np.ones(len(records))  # a_{k-1} with the fitted temperatures
+    for k in range(1, records.gamma + 1):
+        rows = records.proposed >= k
+        labels = (records.accepted[rows] >= k).astype(np.float64)
+        if rows.sum() < max(min_rounds, 1):
+            temps.append(1.0)
+            continue
+        logits, base = records.logits[rows, k - 1], prefix[rows]
+        errors = np.array([ece(base * _sigmoid(logits / t), labels, bins) for t in grid])
+        best = np.flatnonzero(errors <= errors.min() + 1e-12)
+        t_k = float(grid[best[np.argmin(prefer[best])]])
+        temps.append(t_k)
+        prefix = prefix * np.where(records.proposed >= k, _sigmoid(np.nan_to_num(records.logits[:, k - 1]) / t_k), 1.0)
+    return tuple(temps)
+
+
+def calibration_table(records: RolloutRecords, before=None, after=None, bins: int = NUM_BINS) -> list[dict]:
+    """Per position: rounds, ECE of survival (raw / STS), ECE of conditional (raw / STS), and AUCs of both views."""
+    rows = []
+    for k in range(1, records.gamma + 1):
+        s_raw, y_s = position_view(records, k, before, "survival")
+        s_cal, _ = position_view(records, k, after, "survival")
+        c_raw, y_c = position_view(records, k, before, "conditional")
+        c_cal, _ = position_view(records, k, after, "conditional")
+        rows.append({
+            "position": k,
+            "rounds": int(y_s.size),
+            "prefix_accept_rate": float(y_s.mean()) if y_s.size else math.nan,
+            "ece_survival_raw": ece(s_raw, y_s, bins),
+            "ece_survival_sts": ece(s_cal, y_s, bins),
+            "auc_survival": roc_auc(s_cal, y_s),
+            "conditional_rounds": int(y_c.size),
+            "ece_conditional_raw": ece(c_raw, y_c, bins),
+            "ece_conditional_sts": ece(c_cal, y_c, bins),
+            "auc_conditional": roc_auc(c_cal, y_c),
+        })
+    return rows
+
+
+def reliability_by_position(records: RolloutRecords, temperatures=None, bins: int = NUM_BINS,
+                            view: str = "survival") -> list[dict]:
+    return [reliability(*position_view(records, k, temperatures, view), bins) for k in range(1, records.gamma + 1)]
+
+
+def write_calibration(drafter_dir: str | Path, temperatures, metadata: dict | None = None) -> Path:
+    """Write `<drafter_dir>/calibration.json` = {"method": "sts", "temperatures": [...], ...metadata}."""
+    temps = [float(t) for t in temperatures]
+    if not temps or any(not math.isfinite(t) or t <= 0 for t in temps):
+        raise InvalidArgument("temperatures", temps, "must be a non-empty list of finite numbers > 0")
+    path = Path(drafter_dir) / "calibration.json"
+    body = {"method": "sts", "temperatures": temps, **(metadata or {})}
+    path.write_text(json.dumps(body, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    raise TypeError(type(x).__name__)

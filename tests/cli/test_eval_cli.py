@@ -1,0 +1,151 @@
+"""`dspark eval`, `dspark calibrate` and `dspark report`: JSON contracts on real tiny models, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from dspark_cli.main import main
+
+CONTRACT = ("tau", "rounds", "conditional_acceptance", "survival", "dataset", "domain", "drafter", "block_size",
+            "num_prompts", "tokens", "support_size", "support_note")
+PROMPT_IDS = [[5, 9, 12, 30, 41, 77, 3, 8], [7, 7, 8, 100, 200, 300, 11, 12, 13], [400, 3, 19, 22, 23, 24, 60, 61]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def ids_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "tiny-ids.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPT_IDS))
+    return path
+
+
+@pytest.mark.parametrize("name", ["dspark", "eagle3"])
+def test_eval_json_on_fixture_drafters(shared_fixtures, ids_file, tmp_path, capsys, name):
+    out = tmp_path / "res.json"
+    rc = main(["eval", "--prompt-ids-file", str(ids_file), "--drafter-path", str(shared_fixtures / name),
+               "--target", str(shared_fixtures / "target"), "--max-new-tokens", "10", "--json", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert all(k in r for k in CONTRACT), sorted(r)
+    assert r == json.loads(out.read_text())
+    assert r["block_size"] == 4 and len(r["survival"]) == 4 and r["num_prompts"] == 3 and r["tokens"] == 30
+    assert 1.0 <= r["tau"] <= 5.0 and r["temperature"] == 1.0 and r["policy"] == "fixed"
+    assert r["conditional_acceptance"][0] == pytest.approx(r["survival"][0])
+    assert r["support_size"] == 32 and r["vocab_size"] == 512 and "split" in r
+    has_conf = name == "dspark"
+    assert (r["rollouts"]["confidence_logits"] is not None) == has_conf
+    assert len(r["rollouts"]["accepted"]) == r["rounds"]
+
+
+def test_eval_truncation_cost_and_support_size(shared_fixtures, ids_file, capsys):
+    rc = main(["eval", "--prompt-ids-file", str(ids_file), "--drafter-path", str(shared_fixtures / "dflash"),
+               "--target", str(shared_fixtures / "target"), "--max-new-tokens", "8", "--limit", "2",
+               "--support-size", "8", "--truncation-cost", "--no-rollouts", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["support_size"] == 8 and "rollouts" not in r and r["num_prompts"] == 2
+    t = r["truncation"]
+    assert t["support_size"] == 8 and t["tau_truncated"] == r["tau"] and t["tau_full_vocab"] >= 1.0
+
+
+def test_eval_text_dataset_on_tiny_model_with_random_drafter(tiny_target_dir, tmp_path, capsys):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dspark_core.drafters import DrafterConfig, build_drafter, save_drafter
+
+    vocab = AutoConfig.from_pretrained(tiny_target_dir).vocab_size
+    mask = AutoTokenizer.from_pretrained(tiny_target_dir).convert_tokens_to_ids("<|mask|>")
+    torch.manual_seed(0)
+    config = DrafterConfig(architecture="Qwen3DSparkModel", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
+                           target_layer_ids=(0, 2), num_target_layers=4, block_size=3, mask_token_id=mask,
+                           markov_rank=8, enable_confidence_head=True, max_position_embeddings=128)
+    save_drafter(build_drafter(config), tmp_path / "random-dspark")
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"turns": [f"What is {i} + {i}?"]}) + "\n" for i in range(40)))
+    rc = main(["eval", "--dataset", str(data), "--drafter-path", str(tmp_path / "random-dspark"),
+               "--target", str(tiny_target_dir), "--max-new-tokens", "6", "--limit", "2", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert all(k in r for k in CONTRACT)
+    assert r["dataset"] == "gsm8k" and r["domain"] == "math" and r["split"].startswith("eval")
+    assert r["num_prompts"] == 2 and r["block_size"] == 3 and r["drafter"] == "random-dspark"
+
+
+def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp_path, capsys):
+    from dspark_core.drafters import load_drafter
+
+    d = tmp_path / "dspark"
+    d.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(shared_fixtures / "dspark" / f, d / f)
+    rc = main(["calibrate", "--prompt-ids-file", str(ids_file), "--drafter-path", str(d),
+               "--target", str(shared_fixtures / "target"), "--max-new-tokens", "16", "--plots", str(tmp_path / "p"),
+               "--min-rounds", "5", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert len(r["temperatures"]) == 4 and len(r["table"]) == 4 and r["rounds_fit"] >= 5
+    assert r["unfitted_positions"] == [] and r["table_on"].startswith("held-out")
+    assert {"ece_survival_raw", "ece_survival_sts", "auc_survival", "auc_conditional"} <= set(r["table"][0])
+    assert load_drafter(d).config.sts_temperatures == tuple(r["temperatures"])
+    assert all((tmp_path / "p" / f).stat().st_size > 0
+               for f in ("reliability_before.png", "reliability_after.png"))
+
+
+def _result(drafter, kind, dataset, domain, tau, block=4, rollouts=None):
+    cond = [max(0.1, 0.8 - 0.1 * k) for k in range(block)]
+    return {"drafter": drafter, "drafter_kind": kind, "dataset": dataset, "domain": domain, "tau": tau,
+            "block_size": block, "temperature": 1.0, "rounds": 10, "tokens": 30, "num_prompts": 2,
+            "conditional_acceptance": cond, "survival": cond, "rollouts": rollouts,
+            "calibration_temperatures": [1.0] * block if kind == "dspark" else None}
+
+
+def test_report_renders_table_and_plots(tmp_path, capsys):
+    rollouts = {"accepted": [0, 2, 4], "proposed": [4, 4, 4], "committed": [1, 3, 5],
+                "confidence_logits": [[-1.0, 0.0, 0.0, 0.0], [2.0, 1.0, -1.0, 0.0], [3.0, 3.0, 2.0, 2.0]]}
+    res = tmp_path / "results"
+    res.mkdir()
+    rows = [("dspark", "dspark", 2.0, 3.0, 2.4, rollouts), ("dflash", "dflash", 1.6, 2.5, 2.0, None),
+            ("eagle3", "eagle3", 1.5, 2.0, 2.0, None)]
+    for name, kind, code, math_, chat, ro in rows:
+        for ds, dom, t in (("mbpp", "code", code), ("gsm8k", "math", math_), ("mt-bench", "chat", chat)):
+            (res / f"{name}-{ds}.json").write_text(json.dumps(_result(name, kind, ds, dom, t, rollouts=ro)))
+        (res / f"{name}-mbpp-b8.json").write_text(json.dumps(_result(name, kind, "mbpp", "code", code + 0.3, 8)))
+    (res / "unrelated.json").write_text("{\"x\": 1}")
+    rc = main(["report", "--results", str(res), "--out", str(tmp_path / "out"), "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| mbpp | code | 2.00 | 1.60 | 1.50 | +25.0% | +33.3% |" in md
+    # macro average over domains: dspark (2 + 3 + 2.4) / 3 = 2.467, dflash 2.033 -> +21.3%
+    assert "**2.47**" in md and "**+21.3%**" in md
+    names = {p.rsplit("/", 1)[-1] for p in out["plots"]}
+    assert names == {"conditional_acceptance.png", "tau_vs_block_size.png", "threshold_sweep.png"}
+    assert all((tmp_path / "out" / n).stat().st_size > 0 for n in names)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["eval", "--drafter", "dspark"], "--dataset"),
+    (["eval", "--dataset", "a.jsonl", "--prompt-ids-file", "b.jsonl", "--drafter", "dspark"], "--dataset"),
+    (["eval", "--prompt-ids-file", "b.jsonl"], "--drafter"),
+    (["eval", "--prompt-ids-file", "b.jsonl", "--drafter", "dspark", "--support-size", "x"], "--support-size"),
+    (["eval", "--prompt-ids-file", "b.jsonl", "--drafter", "dspark", "--block-size", "40"], "--block-size"),
+    (["eval", "--prompt-ids-file", "b.jsonl", "--drafter", "dspark", "--limit", "0"], "--limit"),
+    (["report", "--out", "x"], "--results"),
+    (["report", "--results", "/nonexistent/r.json", "--out", "x"], "results"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
