@@ -93,7 +93,8 @@ def run(args) -> int:
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else encode_prompt(
         target.tokenizer, args.prompt, args.raw)
     policy = args.policy if drafter is not None else "ar"
-    engine = Engine(target, drafter, EngineConfig(policy=policy, block_size=args.block_size),
+    # DeepSpec's round protocol, so that released checkpoints reproduce their reference traces round by round
+    engine = Engine(target, drafter, EngineConfig(policy=policy, block_size=args.block_size, deepspec_rounds=True),
                     sps=_load_sps(args.target or default_target()))
     streamer = None
     if not args.json and target.tokenizer is not None:

@@ -21,14 +21,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import generate, profile
+    from . import calibrate, client, generate, profile, report, serve, train
+    from . import eval as eval_cmd
 
-    parser = _Parser(prog="dspark", description="DSpark: confidence-scheduled speculative decoding.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
-    generate.add_parser(sub)
-    profile.add_parser(sub)
-    from . import client, serve
-    serve.add_parser(sub), client.add_parser(sub)
+    for module in (generate, train, calibrate, eval_cmd, report, profile, serve, client):
+        module.add_parser(sub)
     return parser
 
 

@@ -46,6 +46,10 @@ class EngineConfig:
     max_active: int = 64
     # requests waiting at most before add_request refuses more (bounded queueing)
     max_waiting: int = 1024
+    # DeepSpec's evaluation loop: keep drafting while the anchor's position is inside the limit, so a
+    # request whose output lands exactly on max_new_tokens runs one more round (its tokens are cut).
+    # Reproduces DeepSpec's per-round accepted counts; costs at most one wasted round per request.
+    deepspec_rounds: bool = False
 
     def __post_init__(self):
         if self.policy not in ("fixed", "causal", "async", "threshold", "gamma1", "ar"):
@@ -74,6 +78,8 @@ class RequestState:
     pending_features: torch.Tensor | None = None
     pending_start: int = 0
     pending_tokens: list[int] = field(default_factory=list)
+    # tokens committed so far, including any past max_new_tokens that were cut from the output
+    num_committed: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
     proposed_per_round: list[int] = field(default_factory=list)
     finished: bool = False
@@ -205,11 +211,13 @@ class Engine:
         room = req.params.max_new_tokens - len(req.output_ids)
         kept = tokens[:room]
         req.output_ids.extend(kept)
+        req.num_committed += len(tokens)
         if req.t_first_token is None and kept:
             req.t_first_token = time.perf_counter()
+        limit = req.params.max_new_tokens + (1 if self.config.deepspec_rounds and self.drafter is not None else 0)
         if stopped and len(kept) == len(tokens):
             self._finish(req, "stop")
-        elif len(req.output_ids) >= req.params.max_new_tokens:
+        elif req.num_committed >= limit:
             self._finish(req, "length")
         elif len(req.prompt_ids) + len(req.output_ids) >= self.target.max_context:
             self._finish(req, "length")
