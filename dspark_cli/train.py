@@ -39,7 +39,7 @@ def _decay(text: str) -> float | None:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="train a drafter for a target (self-distillation, target cache, training)",
-        description="Train a DSpark / DSpark-RNN / DFlash / Eagle3 drafter for TARGET. Prompts (the 80%% train "
+        description="Train a DSpark / DSpark-RNN / DFlash / Eagle3 drafter for TARGET. Prompts (the 80% train "
                     "split) are answered by the target itself, the target's features are cached, and the drafter "
                     "is trained from the cache. Runs unchanged under torchrun --nproc-per-node N.")
     p.add_argument("--kind", default="dspark", choices=KINDS, help="drafter to train (default dspark)")

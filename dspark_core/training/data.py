@@ -101,7 +101,8 @@ def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, tempera
     from ..text import encode_prompt
 
     limit = max_prompt_tokens or (target.max_context - max_new_tokens - 1)
-    engine = Engine(target, None, EngineConfig(policy="ar", max_active=concurrency))
+    # an offline batch job: every prompt may wait in the queue
+    engine = Engine(target, None, EngineConfig(policy="ar", max_active=concurrency, max_waiting=max(1, len(prompts))))
     pending: dict[str, tuple[list[int], str]] = {}
     for i, pr in enumerate(prompts):
         ids = encode_prompt(target.tokenizer, pr.text)
