@@ -22,7 +22,11 @@ def add_parser(sub) -> None:
     which = p.add_subparsers(dest="action", required=True, parser_class=type(p), metavar="ACTION")
     g = which.add_parser("generate", help="generate a continuation of PROMPT on a scheduler")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt text (tokenized by the server, no chat template)")
-    g.add_argument("--address", default="127.0.0.1:50051", help="scheduler host:port (default 127.0.0.1:50051)")
+    g.add_argument("--address", default="127.0.0.1:50051",
+                   help="scheduler host:port, or several comma-separated: on UNAVAILABLE the request is retried on "
+                        "the next one with the same request id, which adopts it from its checkpoint (default 127.0.0.1:50051)")
+    g.add_argument("--retry-for", type=float, default=30.0,
+                   help="seconds to keep retrying UNAVAILABLE schedulers (default 30)")
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text")
     g.add_argument("--model", default="", help="model name (default: the server's)")
     g.add_argument("--request-id", default="", help="client-chosen request id")
@@ -40,7 +44,10 @@ def build_request(args):
     if (args.prompt is None) == (args.prompt_ids is None):
         raise InvalidArgument("prompt", args.prompt, "give exactly one of PROMPT or --prompt-ids")
     params = sampling_params(args)  # validated here: the wire cannot carry e.g. a negative top_k
-    req = types_pb2.GenerateRequest(model=args.model, request_id=args.request_id)
+    import uuid
+
+    # a client-chosen id, so that a retry on another scheduler continues the same request
+    req = types_pb2.GenerateRequest(model=args.model, request_id=args.request_id or f"cli-{uuid.uuid4().hex[:16]}")
     if args.prompt_ids is not None:
         req.prompt_token_ids.token_ids.extend(parse_prompt_ids(args.prompt_ids))
     else:
@@ -61,19 +68,37 @@ def run(args) -> int:
     req = build_request(args)
     t0 = time.perf_counter()
     tokens, accepted, text, last = [], [], [], None
-    with grpc.insecure_channel(args.address, options=CHANNEL_OPTIONS) as ch:
-        stub = scheduler_service_pb2_grpc.SchedulerServiceStub(ch)
+    addresses = [a.strip() for a in args.address.split(",") if a.strip()]
+    deadline = time.monotonic() + args.retry_for
+    attempt = 0
+    while last is None or not last.finish_reason:
+        address = addresses[attempt % len(addresses)]
+        attempt += 1
+        seen, stream_text = 0, ""  # an adopted stream replays what this client already has: skip it
         try:
-            for chunk in stub.Generate(req, timeout=args.timeout):
-                tokens.extend(chunk.token_ids)
-                text.append(chunk.text_delta)
-                if chunk.HasField("round"):
-                    accepted.append(chunk.round.num_accepted)
-                if not args.json and chunk.text_delta:
-                    sys.stdout.write(chunk.text_delta)
-                    sys.stdout.flush()
-                last = chunk
+            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+                stub = scheduler_service_pb2_grpc.SchedulerServiceStub(ch)
+                for chunk in stub.Generate(req, timeout=args.timeout):
+                    ids = list(chunk.token_ids)
+                    skip = max(0, min(len(ids), len(tokens) - seen))
+                    seen += len(ids)
+                    tokens.extend(ids[skip:])
+                    if chunk.HasField("round") and skip < len(ids):
+                        accepted.append(chunk.round.num_accepted)
+                    stream_text += chunk.text_delta
+                    printed = sum(map(len, text))
+                    if len(stream_text) > printed:  # text is a prefix-consistent function of the tokens
+                        delta = stream_text[printed:]
+                        text.append(delta)
+                        if not args.json:
+                            sys.stdout.write(delta)
+                            sys.stdout.flush()
+                    last = chunk
         except grpc.RpcError as exc:
+            retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            if retryable and time.monotonic() < deadline:
+                time.sleep(min(1.0, 0.2 * attempt))
+                continue
             if not args.json and text:
                 print()
             print(f"dspark client: error: {exc.code().name}: {exc.details()}", file=sys.stderr)

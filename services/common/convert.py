@@ -1,0 +1,120 @@
+"""Proto <-> domain conversions shared by the servicers and the remote clients.
+
+Sampling parameters, context features ([n, L*H] in dspark_core, [n, L, H] on the wire), draft blocks
+(packed SparseDistribution rows <-> [n, k] support tensors) and finish reasons. Every malformed value
+raises dspark_core.errors.InvalidArgument naming the proto field. Knows nothing about servers or Redis.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_core.errors import InvalidArgument
+from dspark_core.sampling import SamplingParams
+from dspark_core.verification import DraftBlock
+from dspark_protos.dspark.v1 import types_pb2
+from dspark_protos.tensors import tensor_from_proto, tensor_to_proto
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+FINISH_REASONS = {
+    "stop": types_pb2.FINISH_REASON_STOP,
+    "length": types_pb2.FINISH_REASON_LENGTH,
+    "context_length": types_pb2.FINISH_REASON_CONTEXT_LENGTH,
+}
+
+
+def params_from_proto(msg: types_pb2.SamplingParams, extra_stop_ids=(), default_max_new_tokens: int =
+                      DEFAULT_MAX_NEW_TOKENS, field: str = "sampling") -> SamplingParams:
+    """proto SamplingParams (unset = greedy, 0 = default) -> dspark_core SamplingParams (validated)."""
+    stop = list(msg.stop_token_ids)
+    for t in extra_stop_ids:
+        if t not in stop:
+            stop.append(int(t))
+    try:
+        return SamplingParams(
+            temperature=float(msg.temperature), top_k=int(msg.top_k),
+            top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            max_new_tokens=int(msg.max_new_tokens) or default_max_new_tokens, stop_token_ids=tuple(stop))
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{field}.{exc.field}", exc.value, exc.requirement) from None
+
+
+def params_to_proto(p: SamplingParams, out: types_pb2.SamplingParams | None = None) -> types_pb2.SamplingParams:
+    msg = types_pb2.SamplingParams() if out is None else out
+    msg.temperature, msg.top_k, msg.top_p = p.temperature, p.top_k, p.top_p
+    msg.max_new_tokens = p.max_new_tokens
+    del msg.stop_token_ids[:]
+    msg.stop_token_ids.extend(p.stop_token_ids)
+    if p.seed is not None:
+        msg.seed = p.seed % 2**64
+    return msg
+
+
+def params_to_dict(p: SamplingParams) -> dict:
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed,
+            "max_new_tokens": p.max_new_tokens, "stop_token_ids": list(p.stop_token_ids)}
+
+
+def features_to_proto(features: torch.Tensor, start: int, num_layers: int,
+                      out: types_pb2.ContextFeatures) -> None:
+    """[n, L*H] tapped features -> ContextFeatures [n, L, H] (raw bytes, dtype kept)."""
+    n, width = features.shape
+    hidden = width // num_layers if num_layers else 0
+    out.start_position = start
+    tensor_to_proto(features.reshape(n, num_layers, hidden), out.hidden_states)
+
+
+def features_from_proto(msg: types_pb2.ContextFeatures, field: str, num_layers: int | None = None,
+                        hidden: int | None = None) -> torch.Tensor:
+    """ContextFeatures -> [n, L*H] tensor; shape checked against the expected layout when given."""
+    if not msg.HasField("hidden_states"):
+        return torch.zeros((0, (num_layers or 0) * (hidden or 0)))
+    try:
+        t = tensor_from_proto(msg.hidden_states)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}.hidden_states", str(exc), "must be a well-formed Tensor") from None
+    if t.dim() != 3 or (num_layers is not None and t.shape[1] != num_layers) or (
+            hidden is not None and t.shape[2] != hidden and t.shape[0] > 0):
+        raise InvalidArgument(f"{field}.hidden_states.shape", list(t.shape),
+                              f"must be [num_positions, {num_layers}, {hidden}]")
+    return t.reshape(t.shape[0], -1)
+
+
+def block_to_proto(block: DraftBlock, item) -> None:
+    """DraftBlock -> VerifyItem.draft_token_ids / draft_supports."""
+    item.draft_token_ids.extend(block.tokens)
+    if block.support_ids is None:
+        return
+    for ids, probs in zip(block.support_ids.tolist(), block.support_probs.tolist()):
+        d = item.draft_supports.add()
+        d.token_ids.extend(ids)
+        d.probs.extend(probs)
+
+
+def block_from_proto(item, field: str) -> DraftBlock:
+    """VerifyItem drafts -> DraftBlock; ragged supports are padded with zero-probability entries."""
+    tokens = tuple(item.draft_token_ids)
+    supports = list(item.draft_supports)
+    try:
+        if not supports:
+            return DraftBlock(tokens=tokens)
+        if len(supports) != len(tokens):
+            raise InvalidArgument(f"{field}.draft_supports", f"{len(supports)} supports",
+                                  f"must hold one support per draft token ({len(tokens)})")
+        k = max(len(s.token_ids) for s in supports)
+        ids = torch.zeros((len(tokens), k), dtype=torch.long)
+        probs = torch.zeros((len(tokens), k), dtype=torch.float32)
+        for i, s in enumerate(supports):
+            if len(s.token_ids) != len(s.probs) or not s.token_ids:
+                raise InvalidArgument(f"{field}.draft_supports[{i}]", f"{len(s.token_ids)} ids, {len(s.probs)} probs",
+                                      "must hold as many probs as token_ids, at least one")
+            ids[i, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
+            ids[i, len(s.token_ids):] = s.token_ids[0]
+            probs[i, : len(s.probs)] = torch.tensor(list(s.probs))
+        return DraftBlock(tokens=tokens, support_ids=ids, support_probs=probs)
+    except InvalidArgument as exc:
+        if exc.field.startswith(field):
+            raise
+        raise InvalidArgument(f"{field}.{exc.field}", exc.value, exc.requirement) from None

@@ -1,0 +1,56 @@
+"""Prometheus metrics of every service (prefix `dspark_`, base-unit suffixes), defined once per process.
+
+The four speculative-decoding counters mirror the ecosystem's (drafts, draft tokens, accepted tokens,
+accepted tokens per position), so the usual PromQL for acceptance rate and mean accepted length works.
+`start_metrics_server(port)` exposes them over HTTP. Knows nothing about models or gRPC.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, generate_latest, start_http_server
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+# -- scheduler
+SPEC_DRAFTS = Counter("dspark_spec_decode_drafts", "Draft blocks sent for verification (one per request and round)")
+SPEC_DRAFT_TOKENS = Counter("dspark_spec_decode_draft_tokens", "Draft tokens sent for verification")
+SPEC_ACCEPTED = Counter("dspark_spec_decode_accepted_tokens", "Draft tokens accepted by the target")
+SPEC_ACCEPTED_POS = Counter("dspark_spec_decode_accepted_tokens_per_pos",
+                            "Draft tokens accepted, by 0-based position in the block", ["position"])
+REQUESTS_RUNNING = Gauge("dspark_requests_running", "Requests in the engine's active batch")
+REQUESTS_WAITING = Gauge("dspark_requests_waiting", "Requests queued for admission")
+REQUESTS = Counter("dspark_requests", "Finished requests, by finish reason", ["finish_reason"])
+GENERATED_TOKENS = Counter("dspark_generation_tokens", "Tokens generated")
+TTFT = Histogram("dspark_time_to_first_token_seconds", "Time from accepting a request to its first token",
+                 buckets=_LATENCY)
+ITL = Histogram("dspark_inter_token_latency_seconds", "Time between tokens of a request (per token)",
+                buckets=_LATENCY)
+E2E = Histogram("dspark_request_duration_seconds", "Time from accepting a request to its last token",
+                buckets=_LATENCY)
+VERIFY_BUDGET = Gauge("dspark_verification_budget_tokens",
+                      "Draft tokens the policy admitted for verification in the last round, per verifier",
+                      ["verifier"])
+DEMAND = Gauge("dspark_verification_demand_tokens",
+               "Expected accepted draft tokens (survival-probability mass) this scheduler wants verified, per verifier",
+               ["verifier"])
+DESIRED_REPLICAS = Gauge("dspark_desired_replicas", "Desired replicas per pool, from load", ["pool"])
+FAILOVERS = Counter("dspark_failovers", "Requests moved to another replica after a failure", ["pool"])
+REDIS_UP = Gauge("dspark_redis_up", "1 when the last Redis operation succeeded")
+
+# -- verifier and drafter
+FORWARD_SECONDS = Histogram("dspark_forward_seconds", "Batched forward pass time", ["service", "rpc"],
+                            buckets=_LATENCY)
+BATCH_TOKENS = Histogram("dspark_batch_tokens", "Tokens in a batched forward pass", ["service", "rpc"],
+                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
+BATCH_CALLS = Histogram("dspark_coalesced_calls", "RPCs merged into one forward pass", ["service"],
+                        buckets=(1, 2, 3, 4, 6, 8, 16))
+ACTIVE_STATES = Gauge("dspark_active_requests", "Requests whose state (KV cache / draft context) is held",
+                      ["service"])
+
+
+def start_metrics_server(port: int) -> None:
+    start_http_server(port)
+
+
+def render() -> bytes:
+    return generate_latest()

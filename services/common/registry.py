@@ -1,0 +1,188 @@
+"""Redis coordination: pod records, request checkpoints, demand / budget summaries, autoscaling signal.
+
+Keys (all JSON values, all with a TTL so that nothing stale outlives its writer):
+- `dspark:pod:<pool>:<id>`            a verifier / drafter record, re-published by its heartbeat;
+- `dspark:request:<request_id>`       checkpoint: prompt and committed token ids, sampling params, pods;
+- `dspark:demand:<verifier>:<sched>`  survival-probability mass a scheduler wants verified there;
+- `dspark:budget:<verifier>`          the verification budget (draft tokens per step) for that verifier;
+- `dspark:autoscale:desired:<pool>`   desired replicas of a pool, from load (an integer).
+
+Redis is never on the critical path: every call catches Redis errors, marks Redis down and returns a
+fallback (the last pods seen, nothing for the rest); redis-py reconnects on the next call, and
+heartbeats re-publish everything after a Redis restart. Knows nothing about models or gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from . import metrics
+
+log = logging.getLogger("dspark.registry")
+PREFIX = "dspark"
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    url: str
+    # seconds a pod record lives without a heartbeat
+    pod_ttl_s: float = 10.0
+    # seconds a request checkpoint lives without an update
+    checkpoint_ttl_s: float = 3600.0
+    # socket timeout of every Redis call: Redis must never stall a round for long
+    timeout_s: float = 0.5
+
+    def __post_init__(self):
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis url must start with redis://, rediss:// or unix://; got {self.url!r}")
+        if self.pod_ttl_s <= 0:
+            raise ValueError(f"pod_ttl_s must be > 0; got {self.pod_ttl_s}")
+
+
+@dataclass
+class PodRecord:
+    """What a verifier or drafter publishes about itself."""
+
+    id: str
+    pool: str  # "verifier" | "drafter"
+    address: str  # host:port reachable by schedulers
+    capacity: int  # requests it can hold at once
+    active_requests: int = 0
+    tokens_per_step: float = 0.0  # EWMA of tokens per batched forward
+    step_time_ewma_s: float = 0.0
+    sps_table: list = field(default_factory=list)  # [[num_tokens, steps_per_second], ...]
+    health: str = "SERVING"
+    model: str = ""
+    updated: float = 0.0
+
+    @classmethod
+    def from_json(cls, text) -> "PodRecord":
+        d = json.loads(text)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+class Registry:
+    def __init__(self, config: RegistryConfig):
+        self.config = config
+        self.redis = redis.Redis.from_url(config.url, socket_timeout=config.timeout_s,
+                                          socket_connect_timeout=config.timeout_s, decode_responses=True)
+        self.up = True
+        self._last_pods: dict[str, list[PodRecord]] = {}
+
+    def _ok(self) -> None:
+        if not self.up:
+            log.info("redis is back", extra={"url": self.config.url})
+        self.up = True
+        metrics.REDIS_UP.set(1)
+
+    def _down(self, exc: Exception, what: str) -> None:
+        if self.up:
+            log.warning("redis unavailable (%s): %s", what, exc, extra={"url": self.config.url})
+        self.up = False
+        metrics.REDIS_UP.set(0)
+
+    def _call(self, what: str, fn, fallback=None):
+        try:
+            out = fn()
+        except (redis.RedisError, OSError) as exc:
+            self._down(exc, what)
+            return fallback
+        self._ok()
+        return out
+
+    # -- pods
+    def publish_pod(self, rec: PodRecord) -> bool:
+        rec.updated = time.time()
+        key = f"{PREFIX}:pod:{rec.pool}:{rec.id}"
+        return bool(self._call("publish_pod", lambda: self.redis.set(
+            key, json.dumps(asdict(rec)), px=int(self.config.pod_ttl_s * 1000)), False))
+
+    def remove_pod(self, pool: str, pod_id: str) -> None:
+        self._call("remove_pod", lambda: self.redis.delete(f"{PREFIX}:pod:{pool}:{pod_id}"))
+
+    def pods(self, pool: str) -> list[PodRecord]:
+        """Live pods of a pool; while Redis is away, the last list seen."""
+        def read():
+            keys = sorted(self.redis.scan_iter(match=f"{PREFIX}:pod:{pool}:*", count=500))
+            values = self.redis.mget(keys) if keys else []
+            return [PodRecord.from_json(v) for v in values if v]
+
+        out = self._call("pods", read, None)
+        if out is None:
+            return list(self._last_pods.get(pool, []))
+        self._last_pods[pool] = out
+        return out
+
+    # -- request checkpoints
+    def write_checkpoint(self, request_id: str, data: dict) -> None:
+        self._call("write_checkpoint", lambda: self.redis.set(
+            f"{PREFIX}:request:{request_id}", json.dumps(data), ex=int(self.config.checkpoint_ttl_s)))
+
+    def write_checkpoints(self, items: dict[str, dict]) -> None:
+        if not items:
+            return
+
+        def write():
+            pipe = self.redis.pipeline(transaction=False)
+            for rid, data in items.items():
+                pipe.set(f"{PREFIX}:request:{rid}", json.dumps(data), ex=int(self.config.checkpoint_ttl_s))
+            pipe.execute()
+
+        self._call("write_checkpoints", write)
+
+    def read_checkpoint(self, request_id: str) -> dict | None:
+        v = self._call("read_checkpoint", lambda: self.redis.get(f"{PREFIX}:request:{request_id}"))
+        return json.loads(v) if v else None
+
+    def delete_checkpoint(self, request_id: str) -> None:
+        self._call("delete_checkpoint", lambda: self.redis.delete(f"{PREFIX}:request:{request_id}"))
+
+    # -- demand, budgets, autoscaling
+    def publish_demand(self, verifier_id: str, scheduler_id: str, mass: float, requests: int,
+                       confidences: list | None = None) -> None:
+        """`confidences`: the scheduler's latest per-request confidence rows for that verifier (for budgets)."""
+        rec = {"mass": mass, "requests": requests, "confidences": (confidences or [])[:512]}
+        self._call("publish_demand", lambda: self.redis.set(
+            f"{PREFIX}:demand:{verifier_id}:{scheduler_id}", json.dumps(rec), px=int(self.config.pod_ttl_s * 1000)))
+
+    def demand_by_scheduler(self, verifier_id: str) -> dict[str, dict]:
+        """Every scheduler's demand record on one verifier: {scheduler_id: record}."""
+        def read():
+            keys = sorted(self.redis.scan_iter(match=f"{PREFIX}:demand:{verifier_id}:*", count=500))
+            vals = self.redis.mget(keys) if keys else []
+            return {k.rsplit(":", 1)[1]: json.loads(v) for k, v in zip(keys, vals) if v}
+
+        return self._call("demand_by_scheduler", read, {})
+
+    def total_demand(self, verifier_id: str) -> dict:
+        """Demand on one verifier summed over every scheduler: {"mass": ..., "requests": ...}."""
+        def read():
+            keys = list(self.redis.scan_iter(match=f"{PREFIX}:demand:{verifier_id}:*", count=500))
+            vals = [json.loads(v) for v in (self.redis.mget(keys) if keys else []) if v]
+            return {"mass": sum(v["mass"] for v in vals), "requests": sum(v["requests"] for v in vals)}
+
+        return self._call("total_demand", read, {"mass": 0.0, "requests": 0})
+
+    def publish_budget(self, verifier_id: str, budget: int) -> None:
+        self._call("publish_budget", lambda: self.redis.set(
+            f"{PREFIX}:budget:{verifier_id}", int(budget), px=int(self.config.pod_ttl_s * 1000)))
+
+    def read_budget(self, verifier_id: str) -> int | None:
+        v = self._call("read_budget", lambda: self.redis.get(f"{PREFIX}:budget:{verifier_id}"))
+        return int(v) if v is not None else None
+
+    def publish_desired(self, pool: str, replicas: int) -> None:
+        metrics.DESIRED_REPLICAS.labels(pool=pool).set(replicas)
+        self._call("publish_desired", lambda: self.redis.set(
+            f"{PREFIX}:autoscale:desired:{pool}", int(replicas), ex=60))
+
+    def close(self) -> None:
+        try:
+            self.redis.close()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,1 @@
+"""The drafter service: hosts one drafter (DSpark / DFlash) behind DrafterService."""

@@ -1,0 +1,132 @@
+"""The drafter app: load the drafter, warm it up, serve DrafterService, heartbeat to Redis.
+
+Health stays NOT_SERVING until the weights are loaded and a warm-up proposal ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from dspark_core.errors import InvalidArgument
+from dspark_protos.dspark.v1 import drafter_service_pb2, drafter_service_pb2_grpc
+
+from ..common.app import advertise_address, default_pod_id
+from ..common.heartbeat import Heartbeat
+from ..common.registry import PodRecord, Registry, RegistryConfig
+from ..common.server import GrpcService, ServerConfig
+from .servicer import DrafterServicer
+
+log = logging.getLogger("dspark.drafter")
+SERVICE_NAME = drafter_service_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
+
+
+@dataclass(frozen=True)
+class DrafterAppConfig:
+    drafter_path: str
+    server: ServerConfig
+    device: str = "auto"
+    dtype: str = "auto"
+    redis_url: str | None = None
+    drafter_id: str | None = None
+    advertise_host: str | None = None
+    advertise_address: str | None = None  # host:port, wins over advertise_host
+    max_active: int = 1024
+    heartbeat_s: float = 2.0
+    coalesce_wait_s: float = 0.002
+
+    def __post_init__(self):
+        if not self.drafter_path:
+            raise InvalidArgument("drafter_path", self.drafter_path, "must name a drafter checkpoint directory")
+        if self.max_active < 1:
+            raise InvalidArgument("max_active", self.max_active, "must be >= 1")
+
+
+def load_drafter_for_serving(path: str, device: str, dtype: str):
+    from dspark_core.drafters import load_drafter
+    from dspark_core.target import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    drafter = load_drafter(path, device=dev, dtype=resolve_dtype(dtype, dev))
+    if drafter.kind == "eagle3":
+        log.warning("eagle3 pairs features with prompt tokens, which v1 ProposeItems do not carry: the first "
+                    "round drafts from placeholder tokens (output stays exact, acceptance drops)")
+    return drafter
+
+
+class DrafterApp:
+    def __init__(self, config: DrafterAppConfig):
+        self.config = config
+        self.grpc = GrpcService(config.server, [SERVICE_NAME])
+        self.port = self.grpc.port
+        self.id = config.drafter_id or default_pod_id("drafter", self.port)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")
+        self.servicer = DrafterServicer(self.id, self.executor, config.max_active, config.coalesce_wait_s)
+        drafter_service_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, self.grpc.server)
+        self.registry = Registry(RegistryConfig(config.redis_url)) if config.redis_url else None
+        self.heartbeat: Heartbeat | None = None
+
+    def _load(self):
+        from dspark_core.drafters.base import ProposeItem
+
+        d = load_drafter_for_serving(self.config.drafter_path, self.config.device, self.config.dtype)
+        st = d.new_state()  # warm-up: one real proposal on zero features
+        feats = torch.zeros((2, d.config.feature_size), dtype=next(d.parameters()).dtype,
+                            device=next(d.parameters()).device)
+        d.propose([ProposeItem(state=st, new_features=feats, new_positions_start=0, new_tokens=[0, 0],
+                               anchor=0, anchor_pos=2)])
+        return d
+
+    def record(self) -> PodRecord:
+        s = self.servicer
+        ready = s.drafter is not None
+        return PodRecord(
+            id=self.id, pool="drafter", address=advertise_address(self.config.advertise_host, self.port,
+                                                                   self.config.advertise_address),
+            capacity=self.config.max_active, active_requests=len(s.contexts),
+            tokens_per_step=s.tokens_per_step.value, step_time_ewma_s=s.step_time.value,
+            health="DRAINING" if self.grpc.draining else ("SERVING" if ready else "NOT_SERVING"),
+            model=s.drafter.name if ready else "")
+
+    async def start(self):
+        """Serve (health NOT_SERVING), load and warm up, then report SERVING."""
+        await self.start_server()
+        await self.load()
+        return self
+
+    async def start_server(self) -> None:
+        await self.grpc.start()
+
+    async def load(self) -> "DrafterApp":
+        drafter = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
+        self.servicer.attach(drafter)
+        await self.grpc.set_serving()
+        if self.registry:
+            self.heartbeat = Heartbeat(self.registry, self.record, self.config.heartbeat_s)
+            await self.heartbeat.beat()
+            self.heartbeat.start()
+        log.info("drafter ready", extra={"id": self.id, "drafter": drafter.name, "port": self.port})
+        return self
+
+    async def stop(self, grace: float = 0.0) -> None:
+        if getattr(self, "_stopped", False):
+            return
+        self._stopped = True
+        if self.heartbeat:
+            await self.heartbeat.stop(remove=True)
+        await self.grpc.drain(grace)
+        self.servicer.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.registry:
+            self.registry.close()
+
+    async def run_forever(self) -> None:
+        await self.grpc.wait_for_termination()
+        if self.heartbeat:
+            await self.heartbeat.stop(remove=True)
+        self.servicer.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)

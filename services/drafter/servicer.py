@@ -1,0 +1,239 @@
+"""DrafterService over a dspark_core drafter: proto -> ProposeItem -> drafter.propose -> proto.
+
+Holds each request's drafter state keyed by request id (request affinity), plus the last anchor and
+proposal so it can rebuild the committed tokens of the positions whose features arrive next (v1
+ProposeItems carry features, not tokens). All model work runs on the one model thread; concurrent
+Propose calls are coalesced into one batched pass. Knows nothing about Redis, targets or scheduling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_core.drafters.base import ProposeItem
+from dspark_core.errors import InvalidArgument
+from dspark_core.sampling import make_generator
+from dspark_protos.dspark.v1 import drafter_service_pb2_grpc, types_pb2
+
+from ..common import metrics
+from ..common.batcher import Coalescer
+from ..common.convert import features_from_proto
+from ..common.errors import Unavailable
+from ..common.heartbeat import Ewma
+
+_S = "drafter"
+_KINDS = {"dspark": types_pb2.DRAFTER_KIND_DSPARK, "dflash": types_pb2.DRAFTER_KIND_DFLASH,
+          "eagle3": types_pb2.DRAFTER_KIND_EAGLE3}
+
+
+@dataclass
+class _Context:
+    state: object
+    last_anchor: int | None = None
+    last_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    index: int
+    request_id: str
+    features: torch.Tensor | None
+    start: int
+    anchor: int
+    anchor_pos: int
+    temperature: float
+    seed: int | None
+    max_draft_tokens: int
+    error: tuple[int, str, int] | None = None  # (status, message, context_length)
+
+
+def _seed_for(seed: int, position: int) -> int:
+    return (seed * 1_000_003 + position * 7919 + 17) % (2**63)
+
+
+class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
+    def __init__(self, drafter_id: str, executor: Executor, max_active: int = 1024, coalesce_wait_s: float = 0.002):
+        self.drafter = None
+        self.drafter_id, self.executor, self.max_active = drafter_id, executor, max_active
+        self.contexts: dict[str, _Context] = {}
+        self.step_time, self.tokens_per_step = Ewma(), Ewma()
+        self._propose = Coalescer(self._propose_batch, executor, max_wait_s=coalesce_wait_s)
+
+    def attach(self, drafter) -> None:
+        self.drafter = drafter
+        self.num_layers = len(drafter.target_layer_ids)
+        self.feature_size = drafter.config.feature_size
+        self.hidden = self.feature_size // max(self.num_layers, 1)
+        param = next(drafter.parameters())
+        self.param_dtype, self.param_device = param.dtype, param.device
+
+    def close(self) -> None:
+        self._propose.close()
+
+    def _ready(self) -> None:
+        if self.drafter is None:
+            raise Unavailable(f"drafter {self.drafter_id} is still loading its model")
+
+    # -- model thread
+    def _new_tokens(self, ctx: _Context, start: int, rows: int) -> list[int]:
+        """Committed tokens at positions [start, start + rows): the old anchor, then accepted drafts."""
+        if start == 0 or ctx.last_anchor is None:
+            return [0] * rows  # prompt tokens: not on the v1 wire; DSpark / DFlash context uses features only
+        known = [ctx.last_anchor, *ctx.last_tokens][:rows]
+        return known + [0] * (rows - len(known))
+
+    def _propose_batch(self, jobs: list[_Job]) -> list:
+        metrics.BATCH_CALLS.labels(service=_S).observe(self._propose.last_batch_calls)
+        items, runnable = [], []
+        seen = set()
+        for j in jobs:
+            if j.error is not None:
+                continue
+            ctx = self.contexts.get(j.request_id)
+            rows = 0 if j.features is None else j.features.shape[0]
+            if ctx is None and j.start != 0:
+                j.error = (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST,
+                           f"request_id {j.request_id!r} has no context on drafter {self.drafter_id}; resend from 0", 0)
+                continue
+            if ctx is not None and j.start != ctx.state.length:
+                j.error = (types_pb2.ITEM_STATUS_POSITION_MISMATCH,
+                           f"context_features.start_position must be {ctx.state.length}; got {j.start}",
+                           ctx.state.length)
+                continue
+            if j.anchor_pos != j.start + rows:
+                j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT,
+                           f"anchor_position must equal start_position + rows = {j.start + rows}; got {j.anchor_pos}", 0)
+                continue
+            if j.request_id in seen:
+                j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, f"request_id {j.request_id!r} twice in one batch", 0)
+                continue
+            if ctx is None:
+                if len(self.contexts) >= self.max_active:
+                    j.error = (types_pb2.ITEM_STATUS_RESOURCE_EXHAUSTED,
+                               f"drafter {self.drafter_id} holds {len(self.contexts)} requests (max {self.max_active})", 0)
+                    continue
+                ctx = self.contexts[j.request_id] = _Context(self.drafter.new_state())
+            seen.add(j.request_id)
+            feats = j.features if j.features is not None else torch.zeros(
+                (0, self.feature_size), dtype=self.param_dtype, device=self.param_device)
+            gen = make_generator(_seed_for(j.seed, j.anchor_pos)) if (j.temperature > 0 and j.seed is not None) else None
+            items.append(ProposeItem(state=ctx.state, new_features=feats, new_positions_start=j.start,
+                                     new_tokens=self._new_tokens(ctx, j.start, rows), anchor=j.anchor,
+                                     anchor_pos=j.anchor_pos, temperature=j.temperature, generator=gen))
+            runnable.append(j)
+        out: dict[int, object] = {}
+        if items:
+            t0 = time.perf_counter()
+            with metrics.FORWARD_SECONDS.labels(service=_S, rpc="propose").time():
+                try:
+                    proposals = self.drafter.propose(items)
+                except InvalidArgument:
+                    proposals = []
+                    for it in items:
+                        try:
+                            proposals.extend(self.drafter.propose([it]))
+                        except InvalidArgument as exc:
+                            proposals.append(exc)
+            dt = time.perf_counter() - t0
+            self.step_time.update(dt)
+            self.tokens_per_step.update(len(items) * self.drafter.block_size)
+            for j, p in zip(runnable, proposals):
+                if isinstance(p, Exception):
+                    j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(p), 0)
+                    self.contexts.pop(j.request_id, None)
+                    continue
+                ctx = self.contexts[j.request_id]
+                ctx.last_anchor, ctx.last_tokens = j.anchor, list(p.tokens)
+                out[j.index] = (p, dt)
+        metrics.ACTIVE_STATES.labels(service=_S).set(len(self.contexts))
+        return [out.get(j.index, j.error) for j in jobs]
+
+    # -- RPCs
+    async def Propose(self, request, context):
+        self._ready()
+        if not request.items:
+            raise InvalidArgument("items", [], "must hold at least one ProposeItem")
+        jobs = []
+        max_k = self.drafter.support_size
+        for i, it in enumerate(request.items):
+            f = f"items[{i}]"
+            job = _Job(i, it.request_id, None, int(it.context_features.start_position), int(it.anchor_token_id),
+                       int(it.anchor_position), float(it.temperature), int(it.seed) if it.HasField("seed") else None,
+                       int(it.max_draft_tokens) or self.drafter.block_size)
+            try:
+                if not it.request_id:
+                    raise InvalidArgument(f"{f}.request_id", it.request_id, "must not be empty")
+                if not (it.temperature >= 0):
+                    raise InvalidArgument(f"{f}.temperature", it.temperature, "must be >= 0")
+                if it.support_size > max_k:
+                    raise InvalidArgument(f"{f}.support_size", it.support_size, f"must be in [0, {max_k}]")
+                if it.max_draft_tokens > self.drafter.block_size:
+                    raise InvalidArgument(f"{f}.max_draft_tokens", it.max_draft_tokens,
+                                          f"must be in [0, {self.drafter.block_size}]")
+                if it.HasField("context_features"):
+                    job.features = features_from_proto(it.context_features, f"{f}.context_features",
+                                                       self.num_layers, self.hidden).to(
+                        device=self.param_device, dtype=self.param_dtype)
+                else:
+                    job.start = job.anchor_pos
+            except InvalidArgument as exc:
+                job.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(exc), 0)
+            jobs.append(job)
+        out, queued = await self._propose.submit(jobs)
+        resp = types_pb2.ProposeResponse()
+        stats = None
+        for j, o in zip(jobs, out):
+            p = resp.proposals.add(request_id=j.request_id)
+            if o is None or isinstance(o, tuple) and len(o) == 3:
+                status, msg, ctxlen = o if o is not None else (types_pb2.ITEM_STATUS_UNSPECIFIED, "no result", 0)
+                p.status, p.error_message, p.context_length = status, msg, ctxlen
+                continue
+            prop, dt = o
+            stats = dt
+            n = min(len(prop.tokens), j.max_draft_tokens)
+            p.status = types_pb2.ITEM_STATUS_OK
+            p.context_length = j.anchor_pos
+            p.draft_token_ids.extend(int(t) for t in prop.tokens[:n])
+            draft_probs = [1.0] * n
+            if prop.support_ids is not None:
+                ids, probs = prop.support_ids[:n].tolist(), prop.support_probs[:n].float().tolist()
+                for r, (ri, rp) in enumerate(zip(ids, probs)):
+                    d = p.draft_supports.add()
+                    d.token_ids.extend(ri)
+                    d.probs.extend(rp)
+                    draft_probs[r] = sum(q for t, q in zip(ri, rp) if t == prop.tokens[r])
+            conf = prop.confidences[:n].tolist() if prop.confidences is not None else draft_probs
+            p.confidences.extend(conf)
+        if stats is not None:
+            resp.stats.CopyFrom(types_pb2.StepStats(num_requests=len(jobs), num_tokens=len(jobs) * self.drafter.block_size,
+                                                    forward_seconds=stats, queue_seconds=queued))
+        return resp
+
+    async def Release(self, request, context):
+        self._ready()
+
+        def release():
+            n = sum(1 for rid in request.request_ids if self.contexts.pop(rid, None) is not None)
+            metrics.ACTIVE_STATES.labels(service=_S).set(len(self.contexts))
+            return n
+
+        n = await asyncio.get_running_loop().run_in_executor(self.executor, release)
+        return types_pb2.DrafterServiceReleaseResponse(num_released=n)
+
+    async def GetInfo(self, request, context):
+        self._ready()
+        d, cfg = self.drafter, self.drafter.config
+        head = types_pb2.SEQUENTIAL_HEAD_NONE
+        if d.kind == "dspark" and cfg.markov_rank > 0:
+            head = types_pb2.SEQUENTIAL_HEAD_RNN if cfg.markov_head_type == "rnn" else types_pb2.SEQUENTIAL_HEAD_MARKOV
+        return types_pb2.DrafterServiceGetInfoResponse(
+            drafter_id=self.drafter_id, drafter_name=d.name, kind=_KINDS.get(d.kind, 0), sequential_head=head,
+            has_confidence_head=bool(cfg.enable_confidence_head), block_size=d.block_size + 1,
+            max_draft_tokens=d.block_size, max_support_size=d.support_size,
+            target_model_name=str(cfg.extra.get("target_model_name_or_path", "") or ""),
+            target_layer_ids=[int(x) for x in d.target_layer_ids], target_hidden_size=self.hidden)

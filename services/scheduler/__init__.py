@@ -1,0 +1,1 @@
+"""The scheduler service: the front door (gRPC Generate, OpenAI-compatible HTTP) driving the engine's rounds."""

@@ -1,0 +1,385 @@
+"""The scheduler's engine thread: one dspark_core Engine stepping continuously for every request.
+
+gRPC / HTTP handlers (asyncio) talk to it only through thread-safe calls: `submit()` (returns a
+concurrent Future with the request id, or the dspark_core error that refused it), `cancel()`; each
+request's updates go to its `sink`, called on the engine thread (handlers forward them to their event
+loop). After each step it records metrics and request checkpoints (written to Redis by a background
+writer, so Redis never stalls a round) and, once a second, the load summaries and autoscaling signal.
+Knows nothing about protos or text.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dspark_core.engine import Engine
+from dspark_core.errors import DSparkError
+from dspark_core.sampling import SamplingParams
+
+from opentelemetry import trace
+
+from ..common import metrics
+from ..common.registry import Registry
+from ..common.tracing import tracer
+
+log = logging.getLogger("dspark.engine_loop")
+
+
+@dataclass
+class Update:
+    """What a request's sink receives after a step."""
+
+    request_id: str
+    token_ids: list[int]
+    round: dict | None = None  # index, num_drafted, num_verified, num_accepted, num_committed
+    finished: bool = False
+    finish_reason: str | None = None
+    summary: dict | None = None
+    error: BaseException | None = None
+
+
+class _Timed:
+    """Pass-through proxy of the engine's verifier / drafter that times (and traces) each stage call."""
+
+    def __init__(self, inner, times: dict, stages: dict[str, str], on_result=None):
+        self._inner, self._times, self._stages, self._on_result = inner, times, stages, on_result
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        stage = self._stages.get(name)
+        if stage is None or not callable(attr):
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.time_ns()
+            with tracer.start_as_current_span(stage):
+                try:
+                    out = attr(*args, **kwargs)
+                finally:
+                    self._times[stage] = (t0, time.time_ns())
+                if self._on_result is not None:
+                    self._on_result(out)
+                return out
+
+        return timed
+
+
+@dataclass
+class _Tracked:
+    sink: Callable[[Update], None]
+    span_context: object = None  # the request's trace (a SpanContext), parent of its round spans
+    adopted: int = 0  # tokens of the engine prompt that the client sees as generated (an adopted request)
+    t_start: float = field(default_factory=time.perf_counter)
+    t_last: float | None = None
+    rounds_seen: int = 0
+
+
+class CheckpointWriter:
+    """Latest-wins background writes of request checkpoints to Redis."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+        self._pending: dict[str, dict | None] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="checkpoints", daemon=True)
+        self._thread.start()
+
+    def put(self, request_id: str, data: dict | None) -> None:
+        with self._lock:
+            self._pending[request_id] = data
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            with self._lock:
+                batch, self._pending = self._pending, {}
+            if not batch:
+                continue
+            try:
+                self.registry.write_checkpoints({k: v for k, v in batch.items() if v is not None})
+                for rid in [k for k, v in batch.items() if v is None]:
+                    self.registry.delete_checkpoint(rid)
+            except Exception:  # noqa: BLE001 - checkpoints are best effort; the writer must survive
+                log.exception("checkpoint write failed")
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(2.0)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, registry: Registry | None = None, scheduler_id: str = "scheduler",
+                 checkpoint: Callable[[str], dict | None] | None = None, pods_capacity: Callable[[], dict] | None = None,
+                 autoscaler=None):
+        self.engine, self.registry, self.scheduler_id = engine, registry, scheduler_id
+        self._checkpoint = checkpoint
+        self._pods_capacity = pods_capacity
+        self.autoscaler = autoscaler  # optional: services.scheduler.autoscaler.Autoscaler
+        self._scaling: threading.Thread | None = None
+        self._failures = 0  # consecutive failed steps
+        self.max_step_failures = 3
+        self._commands: queue.Queue = queue.Queue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._stop = threading.Event()
+        self._writer = CheckpointWriter(registry) if registry is not None else None
+        self._last_summary = 0.0
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+        self._times: dict[str, tuple[int, int]] = {}
+        engine.verifier = _Timed(engine.verifier, self._times, {"prefill": "prefill", "verify": "verify"})
+        # survival-probability mass each request wants verified this round (sum over its draft positions
+        # of the prefix products of confidences): the demand summary published per verifier
+        self.demand_mass: dict[str, float] = {}
+        self.demand_rows: dict[str, list[float]] = {}
+        self.budgets = None  # optional ClusterBudgets (async policy, distributed)
+        if engine.drafter is not None:
+            engine.drafter = _Timed(engine.drafter, self._times, {"propose": "draft"}, self._record_mass)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+        if self._writer:
+            self._writer.stop()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._tracked)
+
+    # -- thread-safe API
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+               sink: Callable[[Update], None], span_context=None, adopted: int = 0) -> Future:
+        """`adopted`: how many trailing prompt tokens were generated under a previous scheduler."""
+        fut: Future = Future()
+        self._commands.put(("add", prompt_ids, params, request_id, sink, fut, span_context, adopted))
+        return fut
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", request_id))
+
+    # -- engine thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            block = not self.engine.has_work
+            try:
+                cmd = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+            except queue.Empty:
+                cmd = False
+            while cmd is not False:
+                if cmd is None:
+                    return
+                self._handle(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = False
+            if self.engine.has_work:
+                self._step()
+            self._periodic()
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "add":
+            _, prompt_ids, params, rid, sink, fut, span_context, adopted = cmd
+            try:
+                self.engine.add_request(prompt_ids, params, request_id=rid)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+                return
+            self._tracked[rid] = _Tracked(sink, span_context, adopted=adopted)
+            fut.set_result(rid)
+        elif cmd[0] == "cancel":
+            rid = cmd[1]
+            if rid in self._tracked and rid in self.engine.requests:
+                self.engine.cancel(rid)
+                self.engine.pop(rid)
+                self._tracked.pop(rid, None)
+                self.demand_mass.pop(rid, None)
+                self.demand_rows.pop(rid, None)
+                if self._writer:
+                    self._writer.put(rid, None)
+                metrics.REQUESTS.labels(finish_reason="cancelled").inc()
+                log.info("request cancelled", extra={"request_id": rid})
+
+    def _step(self) -> None:
+        self._times.clear()
+        links = [trace.Link(t.span_context) for t in list(self._tracked.values())[:32]
+                 if t.span_context is not None and t.span_context.is_valid]
+        t_step = time.time_ns()
+        try:
+            with tracer.start_as_current_span("engine.step", links=links):
+                events = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail what cannot be retried, keep serving
+            self._failures += 1
+            if not isinstance(exc, DSparkError):
+                log.exception("engine step failed", extra={"consecutive": self._failures})
+            else:
+                log.warning("engine step failed: %s", exc, extra={"consecutive": self._failures})
+            for rid in list(self._tracked):
+                req = self.engine.requests.get(rid)
+                queued = req is not None and (req in self.engine.active or req in self.engine.waiting)
+                # a failed round commits nothing and Verify is idempotent, so active requests are retried
+                # next step (a few times); requests whose prefill failed have left the engine's queues
+                if queued and self._failures < self.max_step_failures:
+                    continue
+                if req is not None:
+                    self.engine.cancel(rid)
+                    self.engine.pop(rid)
+                t = self._tracked.pop(rid)
+                t.sink(Update(rid, [], finished=True, finish_reason="error", error=exc))
+            if self._failures >= self.max_step_failures:
+                self._failures = 0
+            time.sleep(0.05 * self._failures)  # back off before retrying the survivors
+            return
+        self._failures = 0
+        self.steps += 1
+        now = time.perf_counter()
+        for ev in events:
+            t = self._tracked.get(ev.request_id)
+            if t is None:
+                continue
+            req = self.engine.requests[ev.request_id]
+            upd = Update(ev.request_id, list(ev.new_token_ids))
+            self._trace_round(t, req, t_step, len(ev.new_token_ids))
+            if req.num_rounds > t.rounds_seen:
+                t.rounds_seen = req.num_rounds
+                acc, prop = req.accepted_per_round[-1], req.proposed_per_round[-1]
+                upd.round = {"index": req.num_rounds, "num_drafted": prop, "num_verified": prop,
+                             "num_accepted": acc, "num_committed": len(ev.new_token_ids)}
+                if self.engine.drafter is not None:
+                    metrics.SPEC_DRAFTS.inc()
+                    metrics.SPEC_DRAFT_TOKENS.inc(prop)
+                    metrics.SPEC_ACCEPTED.inc(acc)
+                    for pos in range(acc):
+                        metrics.SPEC_ACCEPTED_POS.labels(position=str(pos)).inc()
+            if ev.new_token_ids:
+                metrics.GENERATED_TOKENS.inc(len(ev.new_token_ids))
+                if t.t_last is None:
+                    metrics.TTFT.observe(now - t.t_start)
+                else:
+                    per = (now - t.t_last) / len(ev.new_token_ids)
+                    for _ in ev.new_token_ids:
+                        metrics.ITL.observe(per)
+                t.t_last = now
+            if ev.finished:
+                upd.finished, upd.finish_reason = True, ev.finish_reason
+                upd.summary = self._summary(req, t, now)
+                self.engine.pop(ev.request_id)
+                self._tracked.pop(ev.request_id, None)
+                self.demand_mass.pop(ev.request_id, None)
+                self.demand_rows.pop(ev.request_id, None)
+                metrics.REQUESTS.labels(finish_reason=ev.finish_reason or "unknown").inc()
+                metrics.E2E.observe(now - t.t_start)
+                if self._writer:
+                    self._writer.put(ev.request_id, None)
+            elif self._writer and self._checkpoint:
+                ck = self._checkpoint(ev.request_id)
+                if ck is not None:
+                    if t.adopted:  # keep the client's view: original prompt, everything generated since
+                        n = len(ck["prompt_ids"]) - t.adopted
+                        ck["prompt_ids"], ck["generated"] = ck["prompt_ids"][:n], ck["prompt_ids"][n:] + ck["generated"]
+                    ck.update(scheduler=self.scheduler_id, updated=time.time())
+                    self._writer.put(ev.request_id, ck)
+            t.sink(upd)
+
+    def _record_mass(self, proposals) -> None:
+        # the engine drafts for its active requests, in order (dspark_core.engine.Engine._round)
+        for req, p in zip(self.engine.active, proposals):
+            c = p.confidences
+            row = [float(x) for x in (c.tolist() if c is not None else [1.0] * len(p.tokens))]
+            mass, a = 0.0, 1.0
+            for x in row:
+                a *= x
+                mass += a
+            self.demand_mass[req.request_id] = mass
+            self.demand_rows[req.request_id] = row
+
+    def _trace_round(self, t: _Tracked, req, t_step: int, committed: int) -> None:
+        """A span per round in the request's own trace, with a child span per stage (prefill, draft, verify)."""
+        if t.span_context is None or not t.span_context.is_valid:
+            return
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(t.span_context))
+        span = tracer.start_span("round", context=parent, start_time=t_step, attributes={
+            "dspark.request_id": req.request_id, "dspark.round": req.num_rounds,
+            "dspark.accepted": req.accepted_per_round[-1] if req.accepted_per_round else 0,
+            "dspark.committed": committed})
+        child = trace.set_span_in_context(span)
+        for stage, (a, b) in self._times.items():
+            if stage == "prefill" and t.t_last is not None:
+                continue  # only the step that admitted this request prefilled it
+            tracer.start_span(stage, context=child, start_time=a).end(end_time=b)
+        span.end(end_time=time.time_ns())
+
+    @staticmethod
+    def _summary(req, t: _Tracked, now: float) -> dict:
+        rounds = req.num_rounds
+        adopted = req.prompt_ids[len(req.prompt_ids) - t.adopted:] if t.adopted else []
+        n = len(req.output_ids) + len(adopted)
+        elapsed = now - t.t_start
+        first = (req.t_first_token - req.t_start) if req.t_first_token else elapsed
+        return {"prompt_tokens": len(req.prompt_ids) - t.adopted, "completion_tokens": n, "num_rounds": rounds,
+                "accepted_per_round_list": list(req.accepted_per_round),
+                "accepted_per_round": sum(req.accepted_per_round) / rounds if rounds else 0.0,
+                "tokens_per_round": (sum(req.accepted_per_round) + rounds) / rounds if rounds else 0.0,
+                "tokens_per_second": n / max(elapsed, 1e-9), "time_to_first_token_seconds": first,
+                "elapsed_seconds": elapsed, "token_ids": adopted + list(req.output_ids)}
+
+    def _periodic(self) -> None:
+        metrics.REQUESTS_RUNNING.set(len(self.engine.active))
+        metrics.REQUESTS_WAITING.set(len(self.engine.waiting))
+        now = time.monotonic()
+        if now - self._last_summary < 1.0:
+            return
+        self._last_summary = now
+        if self._pods_capacity is None:
+            return
+        try:
+            self._publish_load()
+        except Exception:  # noqa: BLE001 - load signals are advisory
+            log.exception("load publication failed")
+
+    def _publish_load(self) -> None:
+        """Demand per verifier and desired replicas per pool (also the dspark_desired_replicas gauge)."""
+        # {"verifier": [(capacity, active_requests), ...], "drafter": [...], "demand": {verifier_id: (mass, n)}}
+        caps = self._pods_capacity()
+        demand = caps.get("demand", {})
+        if self.registry is not None:
+            for vid, (mass, nreq, rows) in demand.items():
+                metrics.DEMAND.labels(verifier=vid).set(mass)
+                self.registry.publish_demand(vid, self.scheduler_id, mass, nreq, rows)
+            if self.budgets is not None:
+                self.budgets.update(demand, caps.get("sps", {}))
+        waiting = len(self.engine.waiting)
+        for pool in ("verifier", "drafter"):
+            pods = caps.get(pool, [])
+            if not pods:
+                continue
+            per_pod = max(1.0, sum(c for c, _ in pods) / len(pods))
+            # cluster-wide active requests (as the pods publish them) plus this scheduler's queue;
+            # keep pods at most 80% full; never scale to zero
+            load = max(sum(a for _, a in pods), len(self.engine.active)) + waiting
+            desired = max(1, math.ceil(load / (0.8 * per_pod)))
+            if self.registry is not None:
+                self.registry.publish_desired(pool, desired)
+            else:
+                metrics.DESIRED_REPLICAS.labels(pool=pool).set(desired)
+            if self.autoscaler is not None:
+                self.autoscaler.observe(pool, desired)
+        if self.autoscaler is not None and (self._scaling is None or not self._scaling.is_alive()):
+            self._scaling = threading.Thread(target=self.autoscaler.step, name="autoscale", daemon=True)
+            self._scaling.start()  # Kubernetes API calls never block the engine thread

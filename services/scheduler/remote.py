@@ -1,0 +1,480 @@
+"""Remote stand-ins for the engine's verifier and drafter: same methods as the local ones, over gRPC.
+
+`RemoteVerifier` has dspark_core.verifier.Verifier's `prefill` / `verify` / `release` and
+`RemoteDrafter` the drafter protocol's `new_state` / `propose` (+ `release_state`), so the scheduler runs
+the very same dspark_core.engine.Engine as the embedded mode. They add what distribution needs:
+- request affinity: a request's KV cache lives on one verifier, its draft context on one drafter;
+- failover: a verifier that fails (or forgot the request) is replaced by another one rebuilt with
+  Resume from the request's checkpoint (Redis when available, else the copy kept here), and a drafter
+  that fails gets the whole context again (features from the verifier's Resume). Greedy output is
+  unchanged by a failover;
+- batching: one Verify / Propose call per pod per round, pods called in parallel.
+Called only from the engine thread (blocking gRPC). Knows nothing about text or HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from dspark_core.drafters.base import Proposal
+from dspark_core.errors import InvalidArgument, NotFound, ResourceExhausted
+from dspark_core.sampling import SamplingParams
+from dspark_core.verifier import PrefillItem, StepResult, VerifyItem
+from dspark_protos.dspark.v1 import types_pb2
+
+from ..common import metrics
+from ..common.convert import (block_to_proto, features_from_proto, features_to_proto, params_to_dict,
+                              params_to_proto)
+from ..common.errors import Unavailable
+from ..common.registry import Registry
+from ..common.tracing import outgoing_metadata, tracer
+from .pods import Pod, PodPool, is_pod_failure
+
+log = logging.getLogger("dspark.remote")
+MAX_ATTEMPTS = 3
+
+
+_in_flight: set = set()  # fire-and-forget calls must stay referenced: a dropped grpc future cancels its call
+
+
+def _fire(callable_, msg, timeout: float) -> None:
+    try:
+        fut = callable_.future(msg, timeout=timeout)
+    except Exception:  # noqa: BLE001 - best effort (closed channel)
+        return
+    _in_flight.add(fut)
+    fut.add_done_callback(_in_flight.discard)
+
+
+def _raise_status(exc: grpc.RpcError, where: str):
+    code, msg = exc.code(), exc.details()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        raise ResourceExhausted(f"{where}: {msg}") from None
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        raise InvalidArgument(where, msg, "was refused by the verifier") from None
+    raise Unavailable(f"{where}: {code.name}: {msg}") from None
+
+
+@dataclass
+class TargetInfo:
+    """What the engine reads from its target, taken from a verifier's GetInfo."""
+
+    name: str
+    vocab_size: int
+    max_context: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+    tap_layer_ids: tuple[int, ...]
+    sps_points: list
+    tokenizer: object = None
+
+    @property
+    def config(self):
+        return self
+
+    @classmethod
+    def from_proto(cls, info) -> "TargetInfo":
+        return cls(info.model_name, info.vocab_size, info.max_context_length, info.hidden_size,
+                   tuple(info.eos_token_ids), tuple(info.tap_layer_ids),
+                   [(p.num_tokens, p.steps_per_second) for p in info.sps_table.points])
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    generated: list[int] = field(default_factory=list)
+    pod: Pod | None = None
+
+
+class RemoteVerifier:
+    def __init__(self, pool: PodPool, checkpoints: Registry | None = None, timeout_s: float = 60.0):
+        self.pool, self.checkpoints, self.timeout_s = pool, checkpoints, timeout_s
+        self.requests: dict[str, _Request] = {}
+        self.num_layers = 0
+        self.target: TargetInfo | None = None  # from the first GetInfo
+
+    def info(self) -> TargetInfo:
+        last = None
+        for _ in range(MAX_ATTEMPTS):
+            pod = self.pool.pick()
+            try:
+                info = TargetInfo.from_proto(pod.stub.GetInfo(types_pb2.VerifierServiceGetInfoRequest(),
+                                                              timeout=self.timeout_s))
+                self.num_layers = len(info.tap_layer_ids)
+                self.target = info
+                return info
+            except grpc.RpcError as exc:
+                last = exc
+                self.pool.mark_dead(pod, exc)
+        raise Unavailable(f"no verifier answered GetInfo: {last}")
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def validate_prompt(self, ids) -> None:
+        """Verifier.validate_prompt against the verifiers' published model (no round trip)."""
+        t = self.target
+        if not ids:
+            raise InvalidArgument("prompt_ids", list(ids), "must not be empty")
+        if t is None:
+            return
+        if len(ids) >= t.max_context:
+            raise InvalidArgument("prompt_ids", f"{len(ids)} tokens",
+                                  f"must be shorter than the context window ({t.max_context} tokens)")
+        bad = [x for x in ids if not 0 <= x < t.vocab_size]
+        if bad:
+            raise InvalidArgument("prompt_ids", bad[:5], f"must be token ids in [0, {t.vocab_size})")
+
+    @property
+    def num_active(self) -> int:
+        return len(self.requests)
+
+    def pod_of(self, request_id: str) -> str | None:
+        r = self.requests.get(request_id)
+        return r.pod.address if r and r.pod else None
+
+    def _assign(self, req: _Request, pod: Pod | None) -> None:
+        if req.pod is not None:
+            req.pod.assigned -= 1
+        req.pod = pod
+        if pod is not None:
+            pod.assigned += 1
+
+    # -- prefill
+    def prefill(self, items: list[PrefillItem]) -> list[StepResult]:
+        with tracer.start_as_current_span("verifier.prefill") as span:
+            span.set_attribute("dspark.requests", len(items))
+            md = outgoing_metadata()
+            calls = []
+            for it in items:
+                req = _Request(list(it.prompt_ids), it.params)
+                self.requests[it.request_id] = req
+                calls.append((it, req, self._start_prefill(it, req, md, set())))
+            out = []
+            for it, req, (pod, fut, tried) in calls:
+                while True:
+                    try:
+                        resp = fut.result()
+                        break
+                    except grpc.RpcError as exc:
+                        if is_pod_failure(exc) or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            if is_pod_failure(exc):
+                                self.pool.mark_dead(pod, exc)
+                            tried.add(pod.address)
+                            try:
+                                if len(tried) >= MAX_ATTEMPTS:
+                                    raise Unavailable("tried enough verifiers")
+                                pod, fut, tried = self._start_prefill(it, req, md, tried)
+                            except Unavailable:  # no other verifier: report what the last one said
+                                self.release(it.request_id)
+                                _raise_status(exc, "prefill")
+                            continue
+                        self.release(it.request_id)
+                        _raise_status(exc, "prefill")
+                req.generated = [resp.anchor_token_id]
+                feats = features_from_proto(resp.context_features, "context_features")
+                out.append(StepResult(it.request_id, [resp.anchor_token_id], 0, resp.stopped, feats, 0,
+                                      list(it.prompt_ids)))
+            return out
+
+    def _start_prefill(self, it: PrefillItem, req: _Request, md, tried: set):
+        pod = self.pool.pick(exclude=tried)
+        self._assign(req, pod)
+        msg = types_pb2.PrefillRequest(request_id=it.request_id, prompt_token_ids=list(it.prompt_ids))
+        params_to_proto(it.params, msg.sampling)
+        return pod, pod.stub.Prefill.future(msg, timeout=self.timeout_s, metadata=md), tried
+
+    # -- resume (failover)
+    def _committed(self, request_id: str, req: _Request, anchor_pos: int) -> list[int]:
+        """The committed tokens to rebuild from: the Redis checkpoint when it is current, else ours."""
+        if self.checkpoints is not None:
+            ck = self.checkpoints.read_checkpoint(request_id)
+            full = list(ck.get("prompt_ids", [])) + list(ck.get("generated", [])) if ck else []
+            # an adopted request's engine prompt holds tokens the checkpoint counts as generated
+            if len(full) - 1 == anchor_pos and full[: len(req.prompt)] == req.prompt:
+                return full[len(req.prompt):]
+        return list(req.generated)
+
+    def _resume(self, request_id: str, req: _Request, anchor_pos: int, exclude: set[str],
+                include_features: bool = False, same_pod: bool = False):
+        gen = self._committed(request_id, req, anchor_pos)
+        last = None
+        for _ in range(MAX_ATTEMPTS):
+            pod = req.pod if same_pod and req.pod is not None and req.pod.alive else self.pool.pick(exclude=exclude)
+            msg = types_pb2.ResumeRequest(request_id=request_id, prompt_token_ids=req.prompt,
+                                          generated_token_ids=gen, include_context_features=include_features)
+            params_to_proto(req.params, msg.sampling)
+            try:
+                resp = pod.stub.Resume(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
+            except grpc.RpcError as exc:
+                last = exc
+                if is_pod_failure(exc):
+                    self.pool.mark_dead(pod, exc)
+                exclude = exclude | {pod.address}
+                same_pod = False
+                continue
+            if req.pod is not pod:
+                metrics.FAILOVERS.labels(pool="verifier").inc()
+                log.warning("request resumed on another verifier",
+                            extra={"request_id": request_id, "verifier": pod.address, "committed": len(gen)})
+            self._assign(req, pod)
+            return resp
+        raise Unavailable(f"cannot resume request {request_id!r} on any verifier: {last}")
+
+    def context_features(self, request_id: str, anchor_pos: int) -> torch.Tensor:
+        """[anchor_pos, L*H] features of every committed position (for a drafter that lost the context)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise NotFound(f"request {request_id!r} is not active")
+        resp = self._resume(request_id, req, anchor_pos, set(), include_features=True, same_pod=True)
+        return features_from_proto(resp.context_features, "context_features")
+
+    # -- verify
+    def verify(self, items: list[VerifyItem]) -> list[StepResult]:
+        with tracer.start_as_current_span("verifier.verify") as span:
+            span.set_attribute("dspark.requests", len(items))
+            results: list[StepResult | None] = [None] * len(items)
+            todo = list(range(len(items)))
+            for attempt in range(MAX_ATTEMPTS + 1):
+                if not todo:
+                    break
+                todo = self._verify_round(items, todo, results, last=attempt == MAX_ATTEMPTS)
+            if todo:
+                raise Unavailable(f"verification failed for {[items[i].request_id for i in todo]}")
+            return results  # type: ignore[return-value]
+
+    def _verify_round(self, items, todo, results, last: bool) -> list[int]:
+        md = outgoing_metadata()
+        by_pod: dict[str, list[int]] = {}
+        retry: list[int] = []
+        for i in todo:
+            req = self.requests.get(items[i].request_id)
+            if req is None:
+                raise NotFound(f"request {items[i].request_id!r} is not active on this scheduler")
+            if req.pod is None or not req.pod.alive:
+                self._resume(items[i].request_id, req, items[i].anchor_pos,
+                             exclude={req.pod.address} if req.pod else set())
+            by_pod.setdefault(req.pod.address, []).append(i)
+        futures = []
+        for addr, idx in by_pod.items():
+            pod = self.pool.get(addr) or self.requests[items[idx[0]].request_id].pod
+            msg = types_pb2.VerifyRequest()
+            for i in idx:
+                it, req = items[i], self.requests[items[i].request_id]
+                pi = msg.items.add(request_id=it.request_id, anchor_token_id=it.anchor, anchor_position=it.anchor_pos)
+                block_to_proto(it.draft, pi)
+                params_to_proto(req.params, pi.sampling.params)
+                pi.sampling.num_generated = len(req.generated)
+            futures.append((pod, idx, pod.stub.Verify.future(msg, timeout=self.timeout_s, metadata=md)))
+        for pod, idx, fut in futures:
+            try:
+                resp = fut.result()
+            except grpc.RpcError as exc:
+                if not is_pod_failure(exc) or last:
+                    _raise_status(exc, "verify")
+                self.pool.mark_dead(pod, exc)
+                for i in idx:  # resume elsewhere, then retry
+                    req = self.requests[items[i].request_id]
+                    self._resume(items[i].request_id, req, items[i].anchor_pos, exclude={pod.address})
+                retry.extend(idx)
+                continue
+            metrics.VERIFY_BUDGET.labels(verifier=pod.id).set(sum(len(items[i].draft.tokens) for i in idx))
+            for i, r in zip(idx, resp.results):
+                it = items[i]
+                req = self.requests[it.request_id]
+                if r.status == types_pb2.ITEM_STATUS_OK:
+                    feats = features_from_proto(r.context_features, "context_features")
+                    a = r.num_accepted
+                    req.generated.extend(r.committed_token_ids)
+                    results[i] = StepResult(it.request_id, list(r.committed_token_ids), a, r.stopped, feats,
+                                            it.anchor_pos, [it.anchor, *it.draft.tokens[:a]])
+                elif r.status in (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST, types_pb2.ITEM_STATUS_POSITION_MISMATCH):
+                    if last:
+                        raise Unavailable(f"verify {it.request_id}: {r.error_message}")
+                    self._resume(it.request_id, req, it.anchor_pos, set(), same_pod=True)
+                    retry.append(i)
+                elif r.status == types_pb2.ITEM_STATUS_RESOURCE_EXHAUSTED:
+                    raise ResourceExhausted(f"verify {it.request_id}: {r.error_message}")
+                else:
+                    raise InvalidArgument(f"verify item {it.request_id}", r.error_message, "was refused by the verifier")
+        return retry
+
+    def release(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        pod = req.pod
+        self._assign(req, None)
+        if pod is not None and pod.alive:
+            # fire and forget: an unreachable verifier frees the KV cache on restart anyway
+            _fire(pod.stub.Release, types_pb2.VerifierServiceReleaseRequest(request_ids=[request_id]), self.timeout_s)
+        return True
+
+    def checkpoint(self, request_id: str) -> dict | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return {"prompt_ids": req.prompt, "generated": req.generated, "params": params_to_dict(req.params),
+                "verifier": req.pod.address if req.pod else None}
+
+
+@dataclass(eq=False)
+class DraftHandle:
+    """The engine's opaque drafter state for one request: which drafter holds its context, and how much."""
+
+    request_id: str
+    pod: Pod | None = None
+    length: int = 0  # positions of context the drafter holds
+    resend: bool = False  # the drafter lost the context: send it all again
+
+
+class RemoteDrafter:
+    def __init__(self, pool: PodPool, verifier: RemoteVerifier, info, hidden_size: int, vocab_size: int,
+                 timeout_s: float = 60.0):
+        self.pool, self.verifier, self.timeout_s = pool, verifier, timeout_s
+        self.name = info.drafter_name
+        self.kind = {types_pb2.DRAFTER_KIND_DSPARK: "dspark", types_pb2.DRAFTER_KIND_DFLASH: "dflash",
+                     types_pb2.DRAFTER_KIND_EAGLE3: "eagle3"}.get(info.kind, "unknown")
+        self.block_size = int(info.max_draft_tokens)
+        self.target_layer_ids = tuple(info.target_layer_ids)
+        self.support_size = int(info.max_support_size)
+        self.has_confidence = bool(info.has_confidence_head)
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+
+    @classmethod
+    def connect(cls, pool: PodPool, verifier: RemoteVerifier, hidden_size: int, vocab_size: int,
+                timeout_s: float = 60.0) -> "RemoteDrafter":
+        last = None
+        for _ in range(MAX_ATTEMPTS):
+            pod = pool.pick()
+            try:
+                info = pod.stub.GetInfo(types_pb2.DrafterServiceGetInfoRequest(), timeout=timeout_s)
+                return cls(pool, verifier, info, hidden_size, vocab_size, timeout_s)
+            except grpc.RpcError as exc:
+                last = exc
+                pool.mark_dead(pod, exc)
+        raise Unavailable(f"no drafter answered GetInfo: {last}")
+
+    def new_state(self) -> DraftHandle:
+        return DraftHandle(f"draft-{uuid.uuid4().hex}")
+
+    def new_state_for(self, request_id: str) -> DraftHandle:
+        return DraftHandle(request_id)
+
+    def release_state(self, h: DraftHandle) -> None:
+        pod, h.pod = h.pod, None
+        if pod is None:
+            return
+        pod.assigned -= 1
+        if pod.alive:
+            _fire(pod.stub.Release, types_pb2.DrafterServiceReleaseRequest(request_ids=[h.request_id]), self.timeout_s)
+
+    def _place(self, h: DraftHandle, exclude: set[str] = frozenset()) -> None:
+        if h.pod is not None:
+            h.pod.assigned -= 1
+            metrics.FAILOVERS.labels(pool="drafter").inc()
+        h.pod = self.pool.pick(exclude=exclude)
+        h.pod.assigned += 1
+        h.resend = h.length > 0
+        h.length = 0
+
+    def _item(self, it, seed: int | None) -> types_pb2.ProposeItem:
+        h: DraftHandle = it.state
+        msg = types_pb2.ProposeItem(request_id=h.request_id, anchor_token_id=int(it.anchor),
+                                    anchor_position=int(it.anchor_pos), temperature=float(it.temperature))
+        if h.resend:  # the whole context, from the verifier
+            feats, start = self.verifier.context_features(h.request_id, it.anchor_pos), 0
+        else:
+            feats, start = it.new_features, it.new_positions_start
+        features_to_proto(feats, start, len(self.target_layer_ids), msg.context_features)
+        if seed is not None:
+            msg.seed = seed
+        return msg
+
+    def propose(self, items) -> list[Proposal]:
+        with tracer.start_as_current_span("drafter.propose") as span:
+            span.set_attribute("dspark.requests", len(items))
+            seeds = []
+            for it in items:
+                h: DraftHandle = it.state
+                if h.pod is None:
+                    self._place(h)
+                elif not h.pod.alive:
+                    self._place(h, exclude={h.pod.address})
+                seed = None
+                if it.temperature > 0 and it.generator is not None:
+                    seed = int(torch.randint(0, 2**62, (1,), generator=it.generator))
+                seeds.append(seed)
+            out: list[Proposal | None] = [None] * len(items)
+            todo = list(range(len(items)))
+            for attempt in range(MAX_ATTEMPTS + 1):
+                if not todo:
+                    break
+                todo = self._propose_round(items, seeds, todo, out, last=attempt == MAX_ATTEMPTS)
+            if todo:
+                raise Unavailable(f"drafting failed for {[items[i].state.request_id for i in todo]}")
+            return out  # type: ignore[return-value]
+
+    def _propose_round(self, items, seeds, todo, out, last: bool) -> list[int]:
+        md = outgoing_metadata()
+        by_pod: dict[str, list[int]] = {}
+        for i in todo:
+            by_pod.setdefault(items[i].state.pod.address, []).append(i)
+        futures = []
+        for addr, idx in by_pod.items():
+            pod = items[idx[0]].state.pod
+            msg = types_pb2.ProposeRequest(items=[self._item(items[i], seeds[i]) for i in idx])
+            futures.append((pod, idx, pod.stub.Propose.future(msg, timeout=self.timeout_s, metadata=md)))
+        retry = []
+        for pod, idx, fut in futures:
+            try:
+                resp = fut.result()
+            except grpc.RpcError as exc:
+                if not is_pod_failure(exc) or last:
+                    _raise_status(exc, "propose")
+                self.pool.mark_dead(pod, exc)
+                for i in idx:
+                    self._place(items[i].state, exclude={pod.address})
+                    items[i].state.resend = True
+                retry.extend(idx)
+                continue
+            for i, p in zip(idx, resp.proposals):
+                h: DraftHandle = items[i].state
+                if p.status == types_pb2.ITEM_STATUS_OK:
+                    h.length, h.resend = int(p.context_length), False
+                    out[i] = _proposal(p)
+                elif p.status in (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST, types_pb2.ITEM_STATUS_POSITION_MISMATCH):
+                    if last:
+                        raise Unavailable(f"propose {h.request_id}: {p.error_message}")
+                    pod.stub.Release(types_pb2.DrafterServiceReleaseRequest(request_ids=[h.request_id]),
+                                     timeout=self.timeout_s)
+                    h.resend, h.length = True, 0
+                    retry.append(i)
+                elif p.status == types_pb2.ITEM_STATUS_RESOURCE_EXHAUSTED and not last:
+                    self._place(h, exclude={pod.address})
+                    h.resend = True
+                    retry.append(i)
+                else:
+                    raise InvalidArgument(f"propose item {h.request_id}", p.error_message, "was refused by the drafter")
+        return retry
+
+
+def _proposal(p) -> Proposal:
+    n = len(p.draft_token_ids)
+    ids = probs = None
+    if len(p.draft_supports) == n and n > 0:
+        k = max(len(s.token_ids) for s in p.draft_supports)
+        ids = torch.zeros((n, k), dtype=torch.long)
+        probs = torch.zeros((n, k), dtype=torch.float32)
+        for r, s in enumerate(p.draft_supports):
+            ids[r, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
+            ids[r, len(s.token_ids):] = s.token_ids[0]
+            probs[r, : len(s.probs)] = torch.tensor(list(s.probs))
+    conf = torch.tensor(list(p.confidences), dtype=torch.float32) if len(p.confidences) == n else None
+    return Proposal(tokens=list(p.draft_token_ids), support_ids=ids, support_probs=probs, confidences=conf)

@@ -1,0 +1,254 @@
+"""The scheduler app: build the engine (remote verifier + drafter pools, or embedded models for
+`dspark serve all`), run it on its thread, serve SchedulerService (+ optional OpenAI-compatible HTTP).
+
+Health stays NOT_SERVING until the engine can run: in distributed mode a verifier (and drafter, when one
+is expected) answered GetInfo; embedded, the models are loaded and warmed up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from dspark_core.engine import Engine, EngineConfig
+from dspark_core.errors import InvalidArgument
+from dspark_protos.dspark.v1 import (drafter_service_pb2_grpc, scheduler_service_pb2, scheduler_service_pb2_grpc,
+                                     verifier_service_pb2_grpc)
+
+from ..common.app import default_pod_id
+from ..common.errors import Unavailable
+from ..common.registry import Registry, RegistryConfig
+from ..common.server import GrpcService, ServerConfig
+from .loop import EngineLoop
+from .pods import PodPool
+from .remote import RemoteDrafter, RemoteVerifier
+from .servicer import POLICY_ALIASES, Frontend, ModelCard, SchedulerServicer
+
+log = logging.getLogger("dspark.scheduler")
+SERVICE_NAME = scheduler_service_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    server: ServerConfig
+    # distributed mode: pods from static addresses and/or Redis
+    verifier_addresses: tuple[str, ...] = ()
+    drafter_addresses: tuple[str, ...] = ()
+    redis_url: str | None = None
+    # False: autoregressive, no drafter; None: use one when any is found at start
+    use_drafter: bool | None = None
+    tokenizer_dir: str | None = None
+    # embedded mode (`dspark serve all`): the models run in this process
+    embedded_target: str | None = None
+    embedded_drafter: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    policy: str = "fixed"
+    block_size: int | None = None
+    max_active: int = 64
+    max_waiting: int = 256
+    default_max_new_tokens: int = 128
+    http_port: int | None = None
+    http_host: str = "0.0.0.0"
+    scheduler_id: str | None = None
+    rpc_timeout_s: float = 60.0
+    # how long start() waits for pods to appear
+    startup_wait_s: float = 60.0
+    # built-in scaler: DSPARK_AUTOSCALE_POOLS JSON and the namespace of the pool Deployments
+    autoscale_pools: str | None = None
+    namespace: str = "default"
+    # a checkpoint this old belongs to a lost scheduler: a retry with the same request id adopts it
+    adopt_after_s: float = 5.0
+
+    def __post_init__(self):
+        if self.embedded_target is None and not self.verifier_addresses and not self.redis_url:
+            raise InvalidArgument("verifier_addresses", self.verifier_addresses,
+                                  "must be given (or a redis url to discover verifiers, or an embedded target)")
+        EngineConfig(policy=POLICY_ALIASES.get(self.policy, self.policy), block_size=self.block_size,
+                     max_active=self.max_active, max_waiting=self.max_waiting)  # validates
+        if self.default_max_new_tokens < 1:
+            raise InvalidArgument("default_max_new_tokens", self.default_max_new_tokens, "must be >= 1")
+
+
+def _sps_from_points(points):
+    if not points:
+        return None
+    from dspark_core.cost_model import SpsTable
+
+    return SpsTable(tuple(int(b) for b, _ in points), tuple(float(s) for _, s in points))
+
+
+class SchedulerApp:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.grpc = GrpcService(config.server, [SERVICE_NAME])
+        self.port = self.grpc.port
+        self.id = config.scheduler_id or default_pod_id("scheduler", self.port)
+        self.servicer = SchedulerServicer()
+        scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, self.grpc.server)
+        self.registry = Registry(RegistryConfig(config.redis_url)) if config.redis_url else None
+        self.verifiers: PodPool | None = None
+        self.drafters: PodPool | None = None
+        self.remote_verifier: RemoteVerifier | None = None
+        self.engine: Engine | None = None
+        self.loop: EngineLoop | None = None
+        self.frontend: Frontend | None = None
+        self.http = None
+        self.http_port: int | None = None
+
+    # -- engine construction (blocking; runs in a worker thread)
+    def _engine_config(self, has_drafter: bool) -> EngineConfig:
+        c = self.config
+        policy = POLICY_ALIASES.get(c.policy, c.policy) if has_drafter else "ar"
+        return EngineConfig(policy=policy, block_size=c.block_size, max_active=c.max_active, max_waiting=c.max_waiting)
+
+    def _build_embedded(self):
+        from dspark_core.target import TargetConfig, TargetRuntime
+
+        from ..drafter.server import load_drafter_for_serving
+        from ..verifier.server import load_sps_points
+
+        c = self.config
+        drafter = load_drafter_for_serving(c.embedded_drafter, c.device, c.dtype) if c.embedded_drafter else None
+        taps = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        target = TargetRuntime(TargetConfig(model_dir=c.embedded_target, device=c.device, dtype=c.dtype,
+                                            tap_layer_ids=taps))
+        ecfg = self._engine_config(drafter is not None)
+        engine = Engine(target, drafter, ecfg, sps=_sps_from_points(load_sps_points(c.embedded_target)))
+        from dspark_core.sampling import SamplingParams
+
+        engine.generate([0, 1, 2], SamplingParams(temperature=0, max_new_tokens=2))  # warm-up
+        card = ModelCard(target.name, target.vocab_size, target.max_context, getattr(drafter, "name", None),
+                         ecfg.policy, target.eos_token_ids, c.default_max_new_tokens)
+        return engine, card, target.tokenizer, None
+
+    def _build_distributed(self):
+        from dspark_core.target import load_tokenizer
+
+        c = self.config
+        self.verifiers = PodPool("verifier", verifier_service_pb2_grpc.VerifierServiceStub,
+                                 tuple(c.verifier_addresses), self.registry)
+        self.drafters = PodPool("drafter", drafter_service_pb2_grpc.DrafterServiceStub,
+                                tuple(c.drafter_addresses), self.registry)
+        rv = RemoteVerifier(self.verifiers, self.registry, c.rpc_timeout_s)
+        deadline = time.monotonic() + c.startup_wait_s
+        info = None
+        while info is None:
+            try:
+                info = rv.info()
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                if self.registry:
+                    self.verifiers.refresh()
+        drafter = None
+        want = c.use_drafter if c.use_drafter is not None else bool(c.drafter_addresses) or bool(self.drafters.pods)
+        while want and drafter is None:
+            try:
+                drafter = RemoteDrafter.connect(self.drafters, rv, info.hidden_size, info.vocab_size, c.rpc_timeout_s)
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                if self.registry:
+                    self.drafters.refresh()
+        if drafter is not None and tuple(drafter.target_layer_ids) != tuple(info.tap_layer_ids):
+            raise InvalidArgument("tap_layer_ids", info.tap_layer_ids,
+                                  f"of the verifier must equal the drafter's target_layer_ids {drafter.target_layer_ids}")
+        ecfg = self._engine_config(drafter is not None)
+        engine = Engine(info, drafter, ecfg, sps=_sps_from_points(info.sps_points), verifier=rv)
+        tokenizer = load_tokenizer(c.tokenizer_dir) if c.tokenizer_dir else None
+        card = ModelCard(info.name, info.vocab_size, info.max_context, getattr(drafter, "name", None), ecfg.policy,
+                         info.eos_token_ids, c.default_max_new_tokens)
+        self.remote_verifier = rv
+        return engine, card, tokenizer, rv
+
+    def _pods_capacity(self) -> dict:
+        out: dict = {}
+        for name, pool in (("verifier", self.verifiers), ("drafter", self.drafters)):
+            if pool is not None:
+                out[name] = [(p.record.capacity, p.record.active_requests) for p in list(pool.pods.values())
+                             if p.record is not None]
+        if self.remote_verifier is not None and self.engine is not None:
+            demand: dict = {}
+            for req in self.engine.active:
+                pod = self.remote_verifier.requests.get(req.request_id)
+                if pod is None or pod.pod is None:
+                    continue
+                want = self.loop.demand_mass.get(req.request_id, 0.0) if self.loop else 0.0
+                row = self.loop.demand_rows.get(req.request_id) if self.loop else None
+                m, n, rows = demand.get(pod.pod.id, (0.0, 0, []))
+                demand[pod.pod.id] = (m + want, n + 1, rows + ([row] if row else []))
+            out["demand"] = demand
+            out["sps"] = {p.record.id: p.record.sps_table for p in list(self.verifiers.pods.values())
+                          if p.record is not None}
+        return out
+
+    async def start(self):
+        """Serve (health NOT_SERVING), load and warm up, then report SERVING."""
+        await self.start_server()
+        await self.load()
+        return self
+
+    async def start_server(self) -> None:
+        await self.grpc.start()
+
+    async def load(self) -> "SchedulerApp":
+        c = self.config
+        build = self._build_embedded if c.embedded_target else self._build_distributed
+        engine, card, tokenizer, rv = await asyncio.to_thread(build)
+        self.engine = engine
+        autoscaler = None
+        if c.autoscale_pools:
+            from .autoscaler import Autoscaler, parse_pools
+
+            autoscaler = Autoscaler(parse_pools(c.autoscale_pools), c.namespace)
+        self.loop = EngineLoop(engine, self.registry, self.id,
+                               checkpoint=rv.checkpoint if rv is not None else None,
+                               pods_capacity=self._pods_capacity, autoscaler=autoscaler)
+        if rv is not None and self.registry is not None and engine.config.policy == "async":
+            from .budget import BudgetedPolicy, ClusterBudgets
+
+            self.loop.budgets = ClusterBudgets(self.registry, self.id)
+            engine._policy = BudgetedPolicy(engine._policy, engine, lambda rid: (
+                rv.requests[rid].pod.id if rid in rv.requests and rv.requests[rid].pod else None), self.loop.budgets)
+        self.loop.start()
+        self.frontend = Frontend(self.loop, card, tokenizer, self.registry if rv is not None else None,
+                                 c.adopt_after_s)
+        self.servicer.f = self.frontend
+        if c.http_port is not None:
+            from .http import start_http
+
+            self.http, self.http_port = await start_http(self.frontend, c.http_host, c.http_port,
+                                                         lambda: not self.grpc.draining)
+        await self.grpc.set_serving()
+        log.info("scheduler ready", extra={"id": self.id, "port": self.port, "http_port": self.http_port,
+                                           "model": card.name, "drafter": card.drafter, "policy": card.policy})
+        return self
+
+    async def _shutdown_rest(self) -> None:
+        if self.http is not None:
+            await self.http.cleanup()
+        if self.loop:
+            self.loop.stop()
+        for pool in (self.verifiers, self.drafters):
+            if pool:
+                pool.close()
+        if self.registry:
+            self.registry.close()
+
+    async def stop(self, grace: float = 0.0) -> None:
+        if getattr(self, "_stopped", False):
+            return
+        self._stopped = True
+        if self.frontend:
+            self.frontend.draining = True
+        await self.grpc.drain(grace)
+        await self._shutdown_rest()
+
+    async def run_forever(self) -> None:
+        await self.grpc.wait_for_termination()
+        await self._shutdown_rest()

