@@ -5,7 +5,10 @@ Keys (all JSON values, all with a TTL so that nothing stale outlives its writer)
 - `dspark:request:<request_id>`       checkpoint: prompt and committed token ids, sampling params, pods;
 - `dspark:demand:<verifier>:<sched>`  survival-probability mass a scheduler wants verified there;
 - `dspark:budget:<verifier>`          the verification budget (draft tokens per step) for that verifier;
-- `dspark:autoscale:desired:<pool>`   desired replicas of a pool, from load (an integer).
+- `dspark:autoscale:desired:<pool>`   desired replicas of a pool, from load (an integer);
+- `dspark:autoscale:replicas:<pool>`  the same number as the *length* of a list, which is what KEDA's
+                                      redis (lists) scaler reads: with listLength 1 it asks for exactly
+                                      that many replicas.
 
 Redis is never on the critical path: every call catches Redis errors, marks Redis down and returns a
 fallback (the last pods seen, nothing for the rest); redis-py reconnects on the next call, and
@@ -178,8 +181,20 @@ class Registry:
 
     def publish_desired(self, pool: str, replicas: int) -> None:
         metrics.DESIRED_REPLICAS.labels(pool=pool).set(replicas)
-        self._call("publish_desired", lambda: self.redis.set(
-            f"{PREFIX}:autoscale:desired:{pool}", int(replicas), ex=60))
+        n = max(0, int(replicas))
+
+        def write():
+            # one transaction: readers never see a half-rebuilt list
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.set(f"{PREFIX}:autoscale:desired:{pool}", n, ex=60)
+            key = f"{PREFIX}:autoscale:replicas:{pool}"
+            pipe.delete(key)
+            if n:
+                pipe.rpush(key, *([1] * n))
+                pipe.expire(key, 60)
+            return pipe.execute()
+
+        self._call("publish_desired", write)
 
     def close(self) -> None:
         try:

@@ -50,7 +50,7 @@ def test_keda_redis_trigger_reads_the_pool_key_with_the_release_password(objects
         assert trigger["type"] == "redis"
         assert trigger["metadata"] == {
             "address": "dspark-redis:6379",
-            "listName": f"dspark:autoscale:desired:{pool}",
+            "listName": f"dspark:autoscale:replicas:{pool}",
             "listLength": "1",
             "databaseIndex": "0",
             "enableTLS": "false",

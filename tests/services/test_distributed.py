@@ -205,6 +205,8 @@ def test_checkpoints_load_records_and_autoscaling_signal_in_redis(stack, referen
     assert rec["address"].startswith("127.0.0.1:") and rec["capacity"] == 256 and "step_time_ewma_s" in rec
     wait_until(lambda: r.get("dspark:autoscale:desired:verifier") is not None, what="autoscale signal")
     assert int(r.get("dspark:autoscale:desired:verifier")) >= 1
+    # KEDA's redis list scaler reads a length: the list mirrors the count
+    assert r.llen("dspark:autoscale:replicas:verifier") == int(r.get("dspark:autoscale:desired:verifier"))
     from services.common import metrics
 
     text = metrics.render().decode()

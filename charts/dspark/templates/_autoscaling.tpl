@@ -57,7 +57,8 @@ spec:
       metricType: AverageValue
       metadata:
         address: {{ $url.host | quote }}
-        listName: {{ printf "dspark:autoscale:desired:%s" .component | quote }}
+        # a list whose length is the desired replica count (the scheduler rewrites it atomically)
+        listName: {{ printf "dspark:autoscale:replicas:%s" .component | quote }}
         listLength: "1"
         databaseIndex: {{ default "0" (trimPrefix "/" $url.path) | quote }}
         enableTLS: {{ eq $url.scheme "rediss" | quote }}
