@@ -94,8 +94,12 @@ class Sample:
 
 def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, temperature: float = 1.0,
             seed: int = 0, concurrency: int = 32, max_prompt_tokens: int | None = None,
-            progress: bool = True) -> list[Sample]:
-    """Let the target answer every prompt (batched, autoregressive). Prompts that do not fit are skipped."""
+            progress: bool = True, index_base: int = 0, index_stride: int = 1) -> list[Sample]:
+    """Let the target answer every prompt (batched, autoregressive). Prompts that do not fit are skipped.
+
+    Prompt i is sampled with a seed from its *global* index `index_base + index_stride * i`, so a rank
+    that answers every W-th prompt draws exactly what a single process would.
+    """
     from ..engine import Engine, EngineConfig
     from ..sampling import SamplingParams
     from ..text import encode_prompt
@@ -108,7 +112,8 @@ def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, tempera
         ids = encode_prompt(target.tokenizer, pr.text)
         if len(ids) > limit:
             continue
-        params = SamplingParams(temperature=temperature, seed=seed * 1_000_003 + i, max_new_tokens=max_new_tokens,
+        params = SamplingParams(temperature=temperature, seed=seed * 1_000_003 + index_base + index_stride * i,
+                                max_new_tokens=max_new_tokens,
                                 stop_token_ids=target.eos_token_ids)
         pending[engine.add_request(ids, params)] = (ids, pr.domain)
     done: dict[str, Sample] = {}

@@ -110,8 +110,8 @@ def prepare_target_cache(target, prompts: list[Prompt], cache_dir: str | Path, c
     fitting = [p for p in prompts if len(encode_prompt(target.tokenizer, p.text)) <= limit]
     mine = fitting[ctx.rank::ctx.world_size]
     local = distill(target, mine, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                    seed=settings.seed * 1_000 + ctx.rank, concurrency=settings.concurrency,
-                    max_prompt_tokens=limit, progress=progress and ctx.is_main)
+                    seed=settings.seed, concurrency=settings.concurrency, max_prompt_tokens=limit,
+                    progress=progress and ctx.is_main, index_base=ctx.rank, index_stride=ctx.world_size)
     assert len(local) == len(mine), "distill skipped a prompt that fits"
     gathered = ctx.all_gather_object([(s.prompt_ids, s.response_ids, s.domain) for s in local])
     order = [(i * ctx.world_size + r, item) for r, part in enumerate(gathered) for i, item in enumerate(part)]

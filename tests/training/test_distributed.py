@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["def add(a, b):", "What is 12 * 7?", "Explain what a list is.", "for i in range(10):", "The answer is",
            "Write a function", "Compute 3 + 4", "What is Python?", "print hello", "Sum a list"]
 # greedy distillation: the cache is then the same for any number of ranks
-ARGS = ["--steps", "4", "--global-batch", "4", "--micro-batch", "1", "--lr", "3e-3", "--max-new-tokens", "16",
+ARGS = ["--steps", "20", "--global-batch", "4", "--micro-batch", "1", "--lr", "3e-3", "--max-new-tokens", "16",
         "--num-anchors", "8", "--block-size", "3", "--cache-dtype", "float32", "--distill-temperature", "0",
         "--device", "cpu", "--no-progress"]
 
