@@ -1,0 +1,42 @@
+"""Copy a trained drafter run into models/NAME: bf16 weights (the loader computes in fp32), config,
+calibration (if any), and the run's training card as the model card.
+
+    python scripts/ship_drafter.py runs/b-dspark dspark
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="run directory written by `dspark train` (uses RUN/final)")
+    p.add_argument("name", help="models/NAME to (re)write")
+    p.add_argument("--models-dir", default=str(Path(__file__).resolve().parents[1] / "models"))
+    args = p.parse_args()
+    run, out = Path(args.run), Path(args.models_dir) / args.name
+    final = run / "final"
+    if not (final / "model.safetensors").is_file():
+        raise SystemExit(f"ship_drafter: error: no trained drafter at {final}")
+    out.mkdir(parents=True, exist_ok=True)
+    weights = load_file(str(final / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    for name in ("config.json", "calibration.json"):
+        if (final / name).exists():
+            shutil.copy(final / name, out / name)
+    for name in ("training_card.json",):
+        if (run / name).exists():
+            shutil.copy(run / name, out / name)
+    card = (run / "README.md").read_text() if (run / "README.md").exists() else ""
+    (out / "README.md").write_text(card + "\nShipped with bf16 weights by `scripts/ship_drafter.py`; the loader computes in fp32.\n")
+    print(f"shipped {final} -> {out}")
+
+
+if __name__ == "__main__":
+    main()
