@@ -15,7 +15,7 @@ import torch
 from dspark_core.errors import InvalidArgument
 from dspark_protos.dspark.v1 import drafter_service_pb2, drafter_service_pb2_grpc
 
-from ..common.app import advertise_address, default_pod_id
+from ..common.app import PodLifecycle, advertise_address, default_pod_id
 from ..common.heartbeat import Heartbeat
 from ..common.registry import PodRecord, Registry, RegistryConfig
 from ..common.server import GrpcService, ServerConfig
@@ -58,7 +58,7 @@ def load_drafter_for_serving(path: str, device: str, dtype: str):
     return drafter
 
 
-class DrafterApp:
+class DrafterApp(PodLifecycle):
     def __init__(self, config: DrafterAppConfig):
         self.config = config
         self.grpc = GrpcService(config.server, [SERVICE_NAME])
@@ -104,29 +104,6 @@ class DrafterApp:
     async def load(self) -> "DrafterApp":
         drafter = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
         self.servicer.attach(drafter)
-        await self.grpc.set_serving()
-        if self.registry:
-            self.heartbeat = Heartbeat(self.registry, self.record, self.config.heartbeat_s)
-            await self.heartbeat.beat()
-            self.heartbeat.start()
+        await self.go_live()
         log.info("drafter ready", extra={"id": self.id, "drafter": drafter.name, "port": self.port})
         return self
-
-    async def stop(self, grace: float = 0.0) -> None:
-        if getattr(self, "_stopped", False):
-            return
-        self._stopped = True
-        if self.heartbeat:
-            await self.heartbeat.stop(remove=True)
-        await self.grpc.drain(grace)
-        self.servicer.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        if self.registry:
-            self.registry.close()
-
-    async def run_forever(self) -> None:
-        await self.grpc.wait_for_termination()
-        if self.heartbeat:
-            await self.heartbeat.stop(remove=True)
-        self.servicer.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)

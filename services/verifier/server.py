@@ -16,7 +16,7 @@ from pathlib import Path
 from dspark_core.errors import InvalidArgument
 from dspark_protos.dspark.v1 import verifier_service_pb2, verifier_service_pb2_grpc
 
-from ..common.app import advertise_address, default_pod_id
+from ..common.app import PodLifecycle, advertise_address, default_pod_id
 from ..common.heartbeat import Heartbeat
 from ..common.registry import PodRecord, Registry, RegistryConfig
 from ..common.server import GrpcService, ServerConfig
@@ -70,7 +70,7 @@ def load_sps_points(target_dir: str) -> list:
     return [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
 
 
-class VerifierApp:
+class VerifierApp(PodLifecycle):
     def __init__(self, config: VerifierConfig):
         self.config = config
         self.grpc = GrpcService(config.server, [SERVICE_NAME])
@@ -118,30 +118,7 @@ class VerifierApp:
     async def load(self) -> "VerifierApp":
         target, verifier = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
         self.servicer.attach(verifier, target, load_sps_points(self.config.target))
-        await self.grpc.set_serving()
-        if self.registry:
-            self.heartbeat = Heartbeat(self.registry, self.record, self.config.heartbeat_s)
-            await self.heartbeat.beat()
-            self.heartbeat.start()
+        await self.go_live()
         log.info("verifier ready", extra={"id": self.id, "model": target.name, "port": self.port,
                                           "taps": json.dumps(list(target.config.tap_layer_ids))})
         return self
-
-    async def stop(self, grace: float = 0.0) -> None:
-        if getattr(self, "_stopped", False):
-            return
-        self._stopped = True
-        if self.heartbeat:
-            await self.heartbeat.stop(remove=True)
-        await self.grpc.drain(grace)
-        self.servicer.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        if self.registry:
-            self.registry.close()
-
-    async def run_forever(self) -> None:
-        await self.grpc.wait_for_termination()
-        if self.heartbeat:
-            await self.heartbeat.stop(remove=True)
-        self.servicer.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
