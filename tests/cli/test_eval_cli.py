@@ -10,17 +10,11 @@ import torch
 
 from dspark_cli.main import main
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 CONTRACT = ("tau", "rounds", "conditional_acceptance", "survival", "dataset", "domain", "drafter", "block_size",
             "num_prompts", "tokens", "support_size", "support_note")
 PROMPT_IDS = [[5, 9, 12, 30, 41, 77, 3, 8], [7, 7, 8, 100, 200, 300, 11, 12, 13], [400, 3, 19, 22, 23, 24, 60, 61]]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

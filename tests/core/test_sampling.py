@@ -17,15 +17,7 @@ from dspark_core.sampling import (
     target_probs,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """These tests make many tiny-tensor calls; on a busy 2-core machine, intra-op threading makes each one
-    milliseconds slower (measured: softmax of [2, 4] at 9 ms with 2 threads, 1.5 us with 1)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _logits_of(probs: list[float]) -> torch.Tensor:

@@ -19,17 +19,9 @@ from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import SamplingParams, make_generator, sample_token, target_probs
 from dspark_core.verification import DraftBlock, VerifyOutcome, verify_batch, verify_block
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = SamplingParams(temperature=0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """These tests make many tiny-tensor calls; on a busy 2-core machine, intra-op threading makes each one
-    milliseconds slower (measured: softmax of [2, 4] at 9 ms with 2 threads, 1.5 us with 1)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _peaked(argmaxes: list[int], vocab_size: int = 8) -> torch.Tensor:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from dspark_core.drafters import ProposeItem, load_drafter
 
+
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "deepspec-tiny-a"
 DRAFTERS = ("dspark", "dspark-rnn", "dflash", "eagle3")
 MAX_NEW_TOKENS = 64
@@ -21,15 +22,6 @@ MAX_NEW_TOKENS = 64
 def _require_fixtures() -> None:
     if not (FIXTURES / "target" / "model.safetensors").is_file():
         pytest.skip(f"reference fixtures not found at {FIXTURES} (expected ../shared beside the repo root)")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models run several times faster on one thread, especially on a shared, busy CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")
@@ -167,3 +159,8 @@ def check_trace():
 def target_features(target):
     """target_features(ids, layer_ids) -> (logits [n, V], features [n, L * H])."""
     return lambda ids, layer_ids: target_forward(target, ids, layer_ids)
+
+
+@pytest.fixture(autouse=True)
+def _drafter_tests_use_one_thread(one_torch_thread):
+    """Every drafter test runs its tiny models on one intra-op thread (see tests/conftest.py)."""

@@ -19,6 +19,8 @@ from dspark_core.training.prepare import DistillSettings, prepare_target_cache
 from dspark_core.training.trainer import (TrainConfig, Trainer, default_target_layers, drafter_config_for_target,
                                           fresh_drafter, lr_factor, mask_token_for)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = ["def add(a, b):", "What is 12 * 7?", "Explain what a list is.", "for i in range(10):", "The answer is",
            "Write a function", "Compute 3 + 4", "What is Python?", "print hello", "Sum a list"]
 TRAIN_ARGS = ["--max-new-tokens", "20", "--num-anchors", "12", "--block-size", "4", "--cache-dtype", "float32",
@@ -33,14 +35,6 @@ def write_prompts(path, n=24):
 
 def losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
