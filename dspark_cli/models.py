@@ -52,4 +52,8 @@ def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", 
     if drafter is not None and target.vocab_size != drafter.vocab_size:
         raise ModelLoadError(
             f"drafter vocabulary ({drafter.vocab_size}) does not match the target's ({target.vocab_size})")
+    if drafter is not None:
+        from dspark_core.drafters.checkpoint import share_target_weights
+
+        share_target_weights(drafter, target.input_embeddings.weight, target.output_embeddings.weight)
     return target, drafter

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .errors import InvalidArgument, ModelLoadError, ResourceExhausted
+from .fast_decoder import LeanDecoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +63,9 @@ class TargetConfig:
     dtype: str = "auto"
     # Decoder layers whose outputs are tapped for drafters, strictly increasing; -1 = embeddings.
     tap_layer_ids: tuple[int, ...] = ()
+    # run supported architectures (Llama, Mistral, Qwen2, Qwen3) through dspark_core.fast_decoder, the same
+    # computation without the stock module's per-call overhead; False = always the stock HF module
+    lean: bool = True
 
     def __post_init__(self):
         ids = tuple(self.tap_layer_ids)
@@ -164,6 +168,8 @@ class SlotKVCache(Cache):
             "r": r_idx.to(dev), "q": q_idx.to(dev), "slot": slot_t[r_idx].to(dev), "pos": pos_idx.to(dev),
             "view": slice(lo, hi + 1) if contiguous else slot_t.to(dev),
             "kv_len": max(o + c for o, c in zip(offsets, counts)),
+            # one sequence (batch-1 decoding): its new K/V are one slice, written without index tensors
+            "single": (slots[0], offsets[0], counts[0]) if len(slots) == 1 else None,
         }
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -175,8 +181,13 @@ class SlotKVCache(Cache):
             self.keys[layer_idx] = key_states.new_zeros(shape)
             self.values[layer_idx] = value_states.new_zeros(shape)
         k_store, v_store = self.keys[layer_idx], self.values[layer_idx]
-        k_store[p["slot"], :, p["pos"]] = key_states[p["r"], :, p["q"]]
-        v_store[p["slot"], :, p["pos"]] = value_states[p["r"], :, p["q"]]
+        if p["single"] is not None:
+            slot, off, count = p["single"]
+            k_store[slot, :, off : off + count] = key_states[0, :, :count]
+            v_store[slot, :, off : off + count] = value_states[0, :, :count]
+        else:
+            k_store[p["slot"], :, p["pos"]] = key_states[p["r"], :, p["q"]]
+            v_store[p["slot"], :, p["pos"]] = value_states[p["r"], :, p["q"]]
         # [num_seqs, kv_heads, kv_len, head_dim]: a view when the slots are contiguous
         return k_store[p["view"], :, : p["kv_len"]], v_store[p["view"], :, : p["kv_len"]]
 
@@ -253,6 +264,9 @@ class TargetRuntime:
         self._decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         self._lm_head = self.model.get_output_embeddings()
         self.cache = SlotKVCache(self.num_layers, self.device, self.dtype, self.max_context)
+        self._lean = None
+        if config.lean and LeanDecoder.supports(text_config) is None:
+            self._lean = LeanDecoder(self._decoder, text_config)
         self._sequences: list[Sequence] = []  # index == slot
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -265,6 +279,14 @@ class TargetRuntime:
                 if i not in ids:
                     ids.append(int(i))
         return tuple(ids)
+
+    @property
+    def input_embeddings(self) -> torch.nn.Module:
+        return self._decoder.embed_tokens
+
+    @property
+    def output_embeddings(self) -> torch.nn.Module:
+        return self._lm_head
 
     @property
     def tap_width(self) -> int:
@@ -338,27 +360,40 @@ class TargetRuntime:
         # [n, q] absolute positions of the new tokens
         pos = off[:, None] + torch.arange(q)[None, :]
         kv_len = self.cache.get_seq_length()
-        # [n, 1, q, kv_len] additive mask: query i of row r sees keys [0, offset_r + i]
-        allowed = torch.arange(kv_len)[None, None, :] <= pos[:, :, None]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        out = self._decoder(
-            input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-            attention_mask=mask[:, None].to(self.device), cache=self.cache, use_cache=True,
-            output_hidden_states=bool(self.config.tap_layer_ids))
+        if q == 1 and min(offsets) + 1 == kv_len:
+            mask = None  # one new token per sequence, all at the same length: every key is visible
+        else:
+            # [n, 1, q, kv_len] additive mask: query i of row r sees keys [0, offset_r + i]
+            allowed = torch.arange(kv_len)[None, None, :] <= pos[:, :, None]
+            mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            mask = mask[:, None].to(self.device)
+        taps_wanted = self.config.tap_layer_ids
+        if self._lean is not None:
+            last_hidden, kept = self._lean(ids.to(self.device), pos.to(self.device), mask, self.cache, taps_wanted)
+            tap_states = [kept[l] for l in taps_wanted]
+        else:
+            if mask is None:
+                mask = torch.zeros((n, 1, 1, kv_len), dtype=self.dtype, device=self.device)
+            out = self._decoder(
+                input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+                attention_mask=mask, cache=self.cache, use_cache=True,
+                output_hidden_states=bool(taps_wanted))
+            last_hidden = out.last_hidden_state
+            tap_states = [out.hidden_states[l + 1] for l in taps_wanted]
         self.cache._plan = None
         # [n, q] validity of each padded position
         valid = (torch.arange(q)[None, :] < torch.tensor([len(t) for t in toks])[:, None]).to(self.device)
         if last_logits_only:
             last = torch.tensor([len(t) - 1 for t in toks], device=self.device)
-            h = out.last_hidden_state[torch.arange(n, device=self.device), last]  # [n, hidden]
+            h = last_hidden[torch.arange(n, device=self.device), last]  # [n, hidden]
         else:
-            h = out.last_hidden_state[valid]  # [num_tokens, hidden]
+            h = last_hidden[valid]  # [num_tokens, hidden]
         logits = self._lm_head(h).float()
-        final_hidden = out.last_hidden_state[valid] if return_final_hidden else None
+        final_hidden = last_hidden[valid] if return_final_hidden else None
         taps = h.new_zeros((int(valid.sum()), 0))
-        if self.config.tap_layer_ids:
+        if tap_states:
             # [n, q, num_taps * hidden] -> [num_tokens, num_taps * hidden]
-            taps = torch.cat([out.hidden_states[l + 1] for l in self.config.tap_layer_ids], dim=-1)[valid]
+            taps = torch.cat(tap_states, dim=-1)[valid]
         for s, t in zip(seqs, toks):
             s.length += len(t)
         # Back to the caller's order.

@@ -96,3 +96,24 @@ def save_drafter(drafter, path: str | Path) -> None:
     dtype_name = str(drafter.fc.weight.dtype).removeprefix("torch.")
     save_config(drafter.config, path, dtype_name=dtype_name)
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def share_target_weights(drafter, embed: torch.Tensor, lm_head: torch.Tensor) -> list[str]:
+    """Point the drafter's `embed_tokens` / `lm_head` at the target's tensors where they hold the same values.
+
+    Drafters are trained with the target's embedding and LM head frozen, so in one process the copies are
+    redundant: sharing them saves the memory and, on small models, keeps one copy hot in the CPU cache
+    for both the drafting and the verification pass. Returns the names of the shared parameters.
+    """
+    shared = []
+    for name, theirs in (("embed_tokens", embed), ("lm_head", lm_head)):
+        module = getattr(drafter, name, None)
+        mine = getattr(module, "weight", None)
+        if mine is None or mine.data_ptr() == theirs.data_ptr():
+            continue
+        if mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.device == theirs.device \
+                and torch.equal(mine, theirs):
+            module.weight = torch.nn.Parameter(theirs, requires_grad=False)
+            shared.append(name)
+    return shared

@@ -25,9 +25,11 @@ def model_dir(request, tiny_target_dir, tiny_llama_dir):
     return tiny_target_dir if request.param == "qwen3" else tiny_llama_dir
 
 
-def test_ragged_batched_logits_equal_unbatched(model_dir):
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "stock-hf"])
+def test_ragged_batched_logits_equal_unbatched(model_dir, lean):
     taps = (0, 1)
-    rt = TargetRuntime(TargetConfig(str(model_dir), device="cpu", dtype="float32", tap_layer_ids=taps))
+    rt = TargetRuntime(TargetConfig(str(model_dir), device="cpu", dtype="float32", tap_layer_ids=taps, lean=lean))
+    assert (rt._lean is not None) == lean
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, rt.vocab_size, (n,), generator=g).tolist() for n in (7, 15, 2, 11)]
     seqs = [rt.new_sequence() for _ in prompts]

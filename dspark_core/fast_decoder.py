@@ -1,0 +1,141 @@
+"""A lean forward pass for Llama-family decoders, over the weights of the loaded HF model.
+
+Why: on a small target the stock HF module spends most of a decode step in Python (output capturing,
+mask helpers, per-module hooks); a round of speculative decoding is then dominated by fixed per-call cost
+rather than by the tokens verified. This module runs the same computation with fused projections
+(one QKV matmul, one gate/up matmul) and nothing else per layer. It covers the architectures whose
+layer is: pre-norm RMSNorm -> attention (optional q/k RMSNorm, RoPE, GQA) -> residual -> RMSNorm ->
+SwiGLU MLP -> residual (Llama, Mistral without sliding window, Qwen2, Qwen3). `LeanDecoder.supports`
+says whether a model qualifies; anything else keeps the stock module. RoPE comes from the model's own
+rotary embedding, so scaled variants (linear, dynamic, YaRN, llama3) keep their exact cos/sin.
+
+The weights are shared with the HF model (the fused matrices are concatenated copies, about one extra
+copy of the attention and MLP input projections). Equality with the HF forward is tested
+(tests/core/test_fast_decoder.py).
+
+Knows nothing about slots, sequences or sampling: the caller supplies the KV cache object (anything with
+`update(k, v, layer_idx)` returning the keys/values to attend to) and the attention mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF's Llama/Qwen RMSNorm: normalise in fp32, cast back, then scale
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    __slots__ = ("in_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "gate_up_w",
+                 "down_w", "eps")
+
+    def __init__(self, layer, eps: float):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.eps = eps
+        self.in_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        self.qkv_b = torch.cat(biases).detach() if all(b is not None for b in biases) else None
+        self.q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None
+        self.k_norm = attn.k_norm.weight if hasattr(attn, "k_norm") else None
+        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
+        self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        self.down_w = mlp.down_proj.weight
+
+
+class LeanDecoder:
+    """Forward of a supported HF decoder stack with fused projections and no per-module overhead."""
+
+    @staticmethod
+    def supports(hf_config) -> str | None:
+        """None when the lean path computes exactly what the HF model does, else why not."""
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in _FAMILIES:
+            return f"model_type {model_type!r} is not one of {', '.join(_FAMILIES)}"
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            return f"hidden_act {hf_config.hidden_act!r} is not silu"
+        if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
+            return "sliding-window attention"
+        if getattr(hf_config, "mlp_bias", False):
+            return "MLP biases"
+        layer_types = getattr(hf_config, "layer_types", None) or ["full_attention"]
+        if any(t != "full_attention" for t in layer_types):
+            return f"layer types {sorted(set(layer_types))}"
+        if getattr(hf_config, "pretraining_tp", 1) not in (None, 1):
+            return "tensor-parallel pretraining split"
+        return None
+
+    def __init__(self, decoder, hf_config):
+        reason = self.supports(hf_config)
+        if reason is not None:
+            raise ValueError(f"LeanDecoder does not support this model: {reason}")
+        self.decoder = decoder
+        self.embed = decoder.embed_tokens
+        self.rotary = decoder.rotary_emb
+        self.norm_w = decoder.norm.weight
+        eps = float(hf_config.rms_norm_eps)
+        self.eps = eps
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
+        self.scaling = self.head_dim ** -0.5
+        self.layers = [_Layer(layer, eps) for layer in decoder.layers]
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.inter = self.layers[0].gate_up_w.shape[0] // 2 if self.layers else 0
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cache, keep_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """input_ids, position_ids [n, q]; attention_mask [n, 1, q, kv] additive or None (attend to all).
+
+        Returns the final-norm hidden states [n, q, hidden] and the outputs of the layers in
+        `keep_layers` (HF `hidden_states[l + 1]`; -1 = the embedding output), each [n, q, hidden].
+        """
+        n, q = input_ids.shape
+        h, d = self.num_heads, self.head_dim
+        x = self.embed(input_ids)
+        kept: dict[int, torch.Tensor] = {}
+        if -1 in keep_layers:
+            kept[-1] = x
+        cos, sin = self.rotary(x, position_ids)  # [n, q, d]
+        cos, sin = cos[:, None], sin[:, None]
+        for li, L in enumerate(self.layers):
+            hs = _rms_norm(x, L.in_norm, self.eps)
+            qkv = F.linear(hs, L.qkv_w, L.qkv_b)
+            qs, ks, vs = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            qs = qs.view(n, q, h, d)
+            ks = ks.view(n, q, self.num_kv_heads, d)
+            if L.q_norm is not None:
+                qs = _rms_norm(qs, L.q_norm, self.eps)
+                ks = _rms_norm(ks, L.k_norm, self.eps)
+            qs = qs.transpose(1, 2)
+            ks = ks.transpose(1, 2)
+            vs = vs.view(n, q, self.num_kv_heads, d).transpose(1, 2)
+            qs = qs * cos + _rotate_half(qs) * sin
+            ks = ks * cos + _rotate_half(ks) * sin
+            keys, values = cache.update(ks, vs, li)
+            attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=attention_mask, scale=self.scaling,
+                                                  enable_gqa=self.num_kv_heads != h)
+            attn = attn.transpose(1, 2).reshape(n, q, h * d)
+            x = x + F.linear(attn, L.o_w, L.o_b)
+            hs = _rms_norm(x, L.post_norm, self.eps)
+            gate, up = F.linear(hs, L.gate_up_w).split(self.inter, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L.down_w)
+            if li in keep_layers:
+                kept[li] = x
+        return _rms_norm(x, self.norm_w, self.eps), kept
