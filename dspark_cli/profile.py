@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", default=None, help="PNG path for the curve (default: beside --out)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's own; on a busy shared CPU, 1 is steadier)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=run)
 
@@ -36,27 +38,22 @@ def run(args) -> int:
 
     if args.max_batch < 1:
         raise InvalidArgument("--max-batch", args.max_batch, "must be >= 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidArgument("--threads", args.threads, "must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
     target_dir = args.target or default_target()
     target = TargetRuntime(TargetConfig(target_dir, device=args.device, dtype=args.dtype))
     bench = VerifyStepBench(target, context_length=args.context_length, block=args.block)
     sizes = list(range(1, args.max_batch + 1))
-    bar = tqdm(total=len(sizes), desc="profile", unit="B")
-
-    def step(b: int) -> None:
-        bench(b)
-
-    # profile each B on its own so the bar moves; the harness takes the median of the repeats
-    tables = []
-    for b in sizes:
-        tables.append(profile_sps(step, [b], repeats=args.repeats, warmup=2))
-        bar.update(1)
+    bar = tqdm(total=args.repeats, desc="profile", unit="sweep")
+    table = profile_sps(bench, sizes, repeats=args.repeats, warmup=2, progress=lambda: bar.update(1),
+                        device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
+                        context_length=args.context_length, model=target.name)
     bar.close()
     bench.close()
-    from dspark_core.cost_model import SpsTable
-
-    table = SpsTable(batch_sizes=tuple(sizes), steps_per_second=tuple(t.steps_per_second[0] for t in tables),
-                     device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
-                     context_length=args.context_length, model=target.name)
     out = Path(args.out) if args.out else Path(target_dir) / "sps.json"
     table.save(out)
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")

@@ -352,9 +352,10 @@ def profile_sps(
     dtype: str | None = None,
     context_length: int | None = None,
     model: str | None = None,
+    progress: Callable[[], object] | None = None,
 ) -> SpsTable:
     """Measure SPS(B): for each batch size, `warmup` untimed calls of `step_fn(b)`, then `repeats` timed
-    ones; SPS = 1 / median step time.
+    sweeps over all batch sizes; SPS = 1 / median step time. `progress()` is called after each sweep.
 
     `step_fn(b)` must run one forward pass carrying `b` tokens and return only when it is finished (call
     `torch.cuda.synchronize()` inside it on a GPU). `clock` returns seconds; it is a parameter so that the
@@ -373,16 +374,22 @@ def profile_sps(
             raise InvalidArgument(f"batch_sizes[{i}]", b, "must be an integer >= 1")
         if i > 0 and b <= batch_sizes[i - 1]:
             raise InvalidArgument(f"batch_sizes[{i}]", b, f"must be greater than batch_sizes[{i - 1}]")
-    speeds = []
     for b in batch_sizes:
         for _ in range(warmup):
             step_fn(b)
-        elapsed = []
-        for _ in range(repeats):
+    # Repeats are interleaved (every B once per sweep) so that a burst of outside load spreads over all
+    # batch sizes instead of corrupting a few neighbouring ones; the median then drops it.
+    elapsed: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    for _ in range(repeats):
+        for b in batch_sizes:
             start = clock()
             step_fn(b)
-            elapsed.append(clock() - start)
-        median = statistics.median(elapsed)
+            elapsed[b].append(clock() - start)
+        if progress is not None:
+            progress()
+    speeds = []
+    for b in batch_sizes:
+        median = statistics.median(elapsed[b])
         if not median > 0:
             raise InvalidArgument("clock", median, f"must advance during a step (median step time at B={b})")
         speeds.append(1.0 / median)

@@ -157,6 +157,12 @@ class SlotKVCache(Cache):
 
     # -- one forward
     def plan(self, slots: list[int], offsets: list[int], counts: list[int]) -> None:
+        kv_len = max(o + c for o, c in zip(offsets, counts))
+        if len(slots) == 1:
+            # one sequence (batch-1 decoding): its new K/V are one slice, written without index tensors
+            self._plan = {"single": (slots[0], offsets[0], counts[0]), "view": slice(slots[0], slots[0] + 1),
+                          "kv_len": kv_len}
+            return
         dev = self.device
         r_idx = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(counts))
         q_idx = torch.cat([torch.arange(c) for c in counts])
@@ -167,9 +173,7 @@ class SlotKVCache(Cache):
         self._plan = {
             "r": r_idx.to(dev), "q": q_idx.to(dev), "slot": slot_t[r_idx].to(dev), "pos": pos_idx.to(dev),
             "view": slice(lo, hi + 1) if contiguous else slot_t.to(dev),
-            "kv_len": max(o + c for o, c in zip(offsets, counts)),
-            # one sequence (batch-1 decoding): its new K/V are one slice, written without index tensors
-            "single": (slots[0], offsets[0], counts[0]) if len(slots) == 1 else None,
+            "kv_len": kv_len, "single": None,
         }
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -381,19 +385,26 @@ class TargetRuntime:
             last_hidden = out.last_hidden_state
             tap_states = [out.hidden_states[l + 1] for l in taps_wanted]
         self.cache._plan = None
-        # [n, q] validity of each padded position
-        valid = (torch.arange(q)[None, :] < torch.tensor([len(t) for t in toks])[:, None]).to(self.device)
+        if min(counts) == q:  # no padding: flattening is a view
+            def flat(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(n * q, *t.shape[2:])
+        else:
+            # [n, q] validity of each padded position
+            valid = (torch.arange(q)[None, :] < torch.tensor([len(t) for t in toks])[:, None]).to(self.device)
+
+            def flat(t: torch.Tensor) -> torch.Tensor:
+                return t[valid]
         if last_logits_only:
             last = torch.tensor([len(t) - 1 for t in toks], device=self.device)
             h = last_hidden[torch.arange(n, device=self.device), last]  # [n, hidden]
         else:
-            h = last_hidden[valid]  # [num_tokens, hidden]
+            h = flat(last_hidden)  # [num_tokens, hidden]
         logits = self._lm_head(h).float()
-        final_hidden = last_hidden[valid] if return_final_hidden else None
-        taps = h.new_zeros((int(valid.sum()), 0))
+        final_hidden = flat(last_hidden) if return_final_hidden else None
+        taps = h.new_zeros((sum(counts), 0))
         if tap_states:
             # [n, q, num_taps * hidden] -> [num_tokens, num_taps * hidden]
-            taps = torch.cat(tap_states, dim=-1)[valid]
+            taps = flat(torch.cat(tap_states, dim=-1))
         for s, t in zip(seqs, toks):
             s.length += len(t)
         # Back to the caller's order.

@@ -269,7 +269,8 @@ def test_profile_sps_takes_median_of_timed_repeats_after_warmup():
     t = profile_sps(device.step, [1, 8], repeats=5, warmup=2, clock=device.clock, device="fake", dtype="fp32")
     assert t.batch_sizes == (1, 8)
     assert t.steps_per_second == pytest.approx((100.0, 50.0))
-    assert device.calls == [1] * 7 + [8] * 7
+    # warm-up per size, then the timed repeats interleaved: one sweep over every size per repeat
+    assert device.calls == [1, 1, 8, 8] + [1, 8] * 5
     assert t.device == "fake" and t.dtype == "fp32"
 
 
