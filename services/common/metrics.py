@@ -46,6 +46,9 @@ BATCH_CALLS = Histogram("dspark_coalesced_calls", "RPCs merged into one forward 
                         buckets=(1, 2, 3, 4, 6, 8, 16))
 ACTIVE_STATES = Gauge("dspark_active_requests", "Requests whose state (KV cache / draft context) is held",
                       ["service"])
+VERIFIER_EXPIRED = Counter("dspark_verifier_expired_requests",
+                           "Requests a verifier released after --idle-ttl seconds without prefill, verify or "
+                           "resume (their scheduler vanished without a Release)")
 
 
 def start_metrics_server(port: int) -> None:

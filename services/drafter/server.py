@@ -51,11 +51,7 @@ def load_drafter_for_serving(path: str, device: str, dtype: str):
     from dspark_core.target import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
-    drafter = load_drafter(path, device=dev, dtype=resolve_dtype(dtype, dev))
-    if drafter.kind == "eagle3":
-        log.warning("eagle3 pairs features with prompt tokens, which v1 ProposeItems do not carry: the first "
-                    "round drafts from placeholder tokens (output stays exact, acceptance drops)")
-    return drafter
+    return load_drafter(path, device=dev, dtype=resolve_dtype(dtype, dev))
 
 
 class DrafterApp(PodLifecycle):

@@ -1,9 +1,11 @@
 """DrafterService over a dspark_core drafter: proto -> ProposeItem -> drafter.propose -> proto.
 
-Holds each request's drafter state keyed by request id (request affinity), plus the last anchor and
-proposal so it can rebuild the committed tokens of the positions whose features arrive next (v1
-ProposeItems carry features, not tokens). All model work runs on the one model thread; concurrent
-Propose calls are coalesced into one batched pass. Knows nothing about Redis, targets or scheduling.
+Holds each request's drafter state keyed by request id (request affinity). The committed tokens at the
+positions whose features arrive come in ProposeItem.context_token_ids (EAGLE-3 conditions on them); for
+a client that leaves them out it keeps the last anchor and proposal, rebuilds what it can from those and
+uses placeholder ids for the rest (exact output, lower acceptance). All model work runs on the one model
+thread; concurrent Propose calls are coalesced into one batched pass. Knows nothing about Redis, targets
+or scheduling.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class _Job:
     temperature: float
     seed: int | None
     max_draft_tokens: int
+    tokens: list[int] | None = None  # context_token_ids, one per feature row (None: not sent)
     error: tuple[int, str, int] | None = None  # (status, message, context_length)
 
 
@@ -81,9 +84,10 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
 
     # -- model thread
     def _new_tokens(self, ctx: _Context, start: int, rows: int) -> list[int]:
-        """Committed tokens at positions [start, start + rows): the old anchor, then accepted drafts."""
+        """For a client that sent no context_token_ids: the committed tokens at positions [start,
+        start + rows) as far as this drafter knows them (the old anchor, then accepted drafts)."""
         if start == 0 or ctx.last_anchor is None:
-            return [0] * rows  # prompt tokens: not on the v1 wire; DSpark / DFlash context uses features only
+            return [0] * rows  # placeholders: DSpark / DFlash context uses features only
         known = [ctx.last_anchor, *ctx.last_tokens][:rows]
         return known + [0] * (rows - len(known))
 
@@ -109,6 +113,11 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT,
                            f"anchor_position must equal start_position + rows = {j.start + rows}; got {j.anchor_pos}", 0)
                 continue
+            if j.tokens is not None and len(j.tokens) != rows:
+                j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT,
+                           f"items[{j.index}].context_token_ids must hold one id per context_features row "
+                           f"({rows}); got {len(j.tokens)}", 0)
+                continue
             if j.request_id in seen:
                 j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, f"request_id {j.request_id!r} twice in one batch", 0)
                 continue
@@ -123,7 +132,8 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 (0, self.feature_size), dtype=self.param_dtype, device=self.param_device)
             gen = make_generator(_seed_for(j.seed, j.anchor_pos)) if (j.temperature > 0 and j.seed is not None) else None
             items.append(ProposeItem(state=ctx.state, new_features=feats, new_positions_start=j.start,
-                                     new_tokens=self._new_tokens(ctx, j.start, rows), anchor=j.anchor,
+                                     new_tokens=j.tokens if j.tokens is not None else self._new_tokens(ctx, j.start, rows),
+                                     anchor=j.anchor,
                                      anchor_pos=j.anchor_pos, temperature=j.temperature, generator=gen))
             runnable.append(j)
         out: dict[int, object] = {}
@@ -175,6 +185,12 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 if it.max_draft_tokens > self.drafter.block_size:
                     raise InvalidArgument(f"{f}.max_draft_tokens", it.max_draft_tokens,
                                           f"must be in [0, {self.drafter.block_size}]")
+                vocab = self.drafter.config.vocab_size
+                bad = [t for t in it.context_token_ids if not 0 <= t < vocab]
+                if bad:
+                    raise InvalidArgument(f"{f}.context_token_ids", bad[:5], f"must be token ids in [0, {vocab})")
+                if it.context_token_ids:
+                    job.tokens = [int(t) for t in it.context_token_ids]
                 if it.HasField("context_features"):
                     job.features = features_from_proto(it.context_features, f"{f}.context_features",
                                                        self.num_layers, self.hidden).to(

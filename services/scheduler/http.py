@@ -2,8 +2,10 @@
 with "stream": true), /v1/models, /health, /metrics.
 
 Same Frontend as the gRPC servicer, so validation, the engine path and cancellation are shared: a client
-that disconnects mid-stream cancels its request. Errors: bad input 400, overload 429, draining 503, with
-OpenAI's {"error": {...}} body. Knows nothing about Redis or pods.
+that disconnects mid-stream cancels its request. OpenAI `stop` strings end the text before the first
+occurrence of any of them (finish_reason "stop"; the request is cancelled in the engine at that point, and
+a stream holds back a tail that could still grow into one). Errors: bad input 400, overload 429, draining
+503, with OpenAI's {"error": {...}} body. Knows nothing about Redis or pods.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dspark_core.sampling import SamplingParams
 
 from ..common import metrics
 from ..common.errors import Unavailable
-from .servicer import Detokenizer, Frontend, encode_text
+from .servicer import Frontend, encode_text
 
 log = logging.getLogger("dspark.http")
 
@@ -102,6 +104,73 @@ def _prompt_ids(body: dict, f: Frontend, chat: bool) -> list[int]:
 
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+def _stop_strings(body: dict, f: Frontend) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+            or not all(isinstance(x, str) and x for x in stop)):
+        raise InvalidArgument("stop", stop, f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
+                                            "non-empty strings")
+    if stop and f.tokenizer is None:
+        raise InvalidArgument("stop", stop, "needs a tokenizer; this model has none")
+    return stop
+
+
+class StopText:
+    """Incremental text of a growing list of token ids, cut before the first stop string.
+
+    `push(ids)` returns the text that may be sent now: everything up to a stop string once one appeared
+    (then `hit` is True and `ids` are the tokens up to the one that completed it), else all but the last
+    len(longest stop) - 1 characters (they could still become a stop string) and any incomplete UTF-8
+    character; `final=True` releases the rest. With no stop strings it is a plain detokenizer.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.hold = max((len(x) for x in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+        self.text = ""
+        self.hit = False
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _cut(self, text: str) -> int:
+        at = [i for i in (text.find(x, max(0, self.sent - self.hold)) for x in self.stops) if i >= 0]
+        return min(at) if at else -1
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        if self.hit:
+            return ""
+        self.ids.extend(ids)
+        text = self._decode(self.ids)
+        cut = self._cut(text) if self.stops else -1
+        if cut >= 0:
+            self.hit = True
+            # the fewest tokens whose text already holds the stop string
+            n = len(self.ids) - len(ids)
+            while n < len(self.ids) and self._cut(self._decode(self.ids[: n + 1])) < 0:
+                n += 1
+            del self.ids[n + 1:]
+            safe, self.text = cut, text[:cut]
+        else:
+            self.text = text
+            safe = len(text)
+            if not final:
+                safe -= self.hold
+                if text.endswith("\ufffd"):
+                    safe = min(safe, len(text) - 1)
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent:safe], safe
+        return delta
 
 
 def make_app(f: Frontend, is_serving) -> web.Application:
@@ -129,6 +198,7 @@ def make_app(f: Frontend, is_serving) -> web.Application:
             f.check_names(model if model != "default" else "", "", "")
             ids = _prompt_ids(body, f, chat)
             params = _params(body, f)
+            stops = _stop_strings(body, f)
             n = body.get("n", 1)
             if n != 1:
                 raise InvalidArgument("n", n, "must be 1")
@@ -137,30 +207,35 @@ def make_app(f: Frontend, is_serving) -> web.Application:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        detok = Detokenizer(f.tokenizer)
+        text_of = StopText(f.tokenizer, stops)
         gen = f.run(rid, ids, params)
         if not body.get("stream"):
-            tokens, last = [], None
+            last = None
             try:
                 async for upd in gen:
-                    tokens.extend(upd.token_ids)
+                    text_of.push(upd.token_ids, final=upd.finished)
                     last = upd
+                    if text_of.hit:
+                        break
             except (DSparkError, Unavailable) as exc:
                 return _map_error(exc)
-            text = f.tokenizer.decode(tokens, skip_special_tokens=True) if f.tokenizer else ""
-            choice = {"index": 0, "finish_reason": _FINISH.get(last.finish_reason, last.finish_reason)}
+            finally:
+                await gen.aclose()  # a stop string cancels the rest of the request in the engine
+            tokens, text = text_of.ids, text_of.text
+            reason = "stop" if text_of.hit else _FINISH.get(last.finish_reason, last.finish_reason)
+            choice = {"index": 0, "finish_reason": reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice.update(text=text, logprobs=None)
-            s = last.summary
+            s = last.summary or {}  # no summary when a stop string cut the request short
             return web.json_response({
                 "id": rid, "object": kind, "created": created, "model": f.card.name, "choices": [choice],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
                           "total_tokens": len(ids) + len(tokens)},
-                "dspark": {"token_ids": tokens, "num_rounds": s["num_rounds"],
-                           "accepted_per_round": s["accepted_per_round_list"],
-                           "tokens_per_second": s["tokens_per_second"]}})
+                "dspark": {"token_ids": tokens, "num_rounds": s.get("num_rounds"),
+                           "accepted_per_round": s.get("accepted_per_round_list"),
+                           "tokens_per_second": s.get("tokens_per_second")}})
         # SSE streaming
         try:
             first = await gen.__anext__()
@@ -171,8 +246,10 @@ def make_app(f: Frontend, is_serving) -> web.Application:
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(upd, role: bool = False):
-            delta = detok.push(upd.token_ids, final=upd.finished)
+            delta = text_of.push(upd.token_ids, final=upd.finished)
             finish = _FINISH.get(upd.finish_reason, upd.finish_reason) if upd.finished else None
+            if text_of.hit:
+                finish = "stop"
             if chat:
                 d = {"content": delta}
                 if role:
@@ -185,9 +262,11 @@ def make_app(f: Frontend, is_serving) -> web.Application:
 
         try:
             await send(first, role=True)
-            if not first.finished:
+            if not first.finished and not text_of.hit:
                 async for upd in gen:
                     await send(upd)
+                    if text_of.hit:
+                        break
             await resp.write(b"data: [DONE]\n\n")
         finally:
             await gen.aclose()  # a client that went away cancels its request

@@ -227,13 +227,15 @@ class RemoteVerifier:
             return resp
         raise Unavailable(f"cannot resume request {request_id!r} on any verifier: {last}")
 
-    def context_features(self, request_id: str, anchor_pos: int) -> torch.Tensor:
-        """[anchor_pos, L*H] features of every committed position (for a drafter that lost the context)."""
+    def context_features(self, request_id: str, anchor_pos: int) -> tuple[torch.Tensor, list[int]]:
+        """[anchor_pos, L*H] features of every committed position and the tokens at those positions
+        (for a drafter that lost the context)."""
         req = self.requests.get(request_id)
         if req is None:
             raise NotFound(f"request {request_id!r} is not active")
         resp = self._resume(request_id, req, anchor_pos, set(), include_features=True, same_pod=True)
-        return features_from_proto(resp.context_features, "context_features")
+        tokens = (req.prompt + self._committed(request_id, req, anchor_pos))[:anchor_pos]
+        return features_from_proto(resp.context_features, "context_features"), tokens
 
     # -- verify
     def verify(self, items: list[VerifyItem]) -> list[StepResult]:
@@ -389,10 +391,12 @@ class RemoteDrafter:
         msg = types_pb2.ProposeItem(request_id=h.request_id, anchor_token_id=int(it.anchor),
                                     anchor_position=int(it.anchor_pos), temperature=float(it.temperature))
         if h.resend:  # the whole context, from the verifier
-            feats, start = self.verifier.context_features(h.request_id, it.anchor_pos), 0
+            (feats, tokens), start = self.verifier.context_features(h.request_id, it.anchor_pos), 0
         else:
-            feats, start = it.new_features, it.new_positions_start
+            feats, tokens, start = it.new_features, it.new_tokens, it.new_positions_start
         features_to_proto(feats, start, len(self.target_layer_ids), msg.context_features)
+        if len(tokens) == feats.shape[0]:  # the tokens at the feature rows (EAGLE-3 conditions on them)
+            msg.context_token_ids.extend(int(t) for t in tokens)
         if seed is not None:
             msg.seed = seed
         return msg

@@ -20,6 +20,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated target layers to tap (overrides --drafter-path)")
     p.add_argument("--max-active", type=int, default=int(flags.env("MAX_ACTIVE", 256)),
                    help="requests whose KV caches it holds at most (default 256)")
+    p.add_argument("--idle-ttl", type=float, default=float(flags.env("IDLE_TTL", 300)),
+                   help="seconds after which a request with no prefill / verify / resume is released "
+                        "(its scheduler crashed); 0 = never (default 300)")
     p.set_defaults(_default_target=default_target)
 
 
@@ -36,7 +39,8 @@ def run(args) -> int:
         target=args.target or args._default_target(), server=ServerConfig(args.port, args.host, args.drain_seconds),
         device=args.device, dtype=args.dtype, tap_layer_ids=taps, drafter_path=args.drafter_path,
         redis_url=args.redis_url, verifier_id=args.id, advertise_host=args.advertise_host,
-        advertise_address=args.advertise_address, max_active=args.max_active)
+        advertise_address=args.advertise_address, max_active=args.max_active,
+        idle_ttl_s=args.idle_ttl)
     return flags.run_app(lambda: VerifierApp(cfg))
 
 

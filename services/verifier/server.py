@@ -1,7 +1,9 @@
 """The verifier app: load the target, warm it up, serve VerifierService, heartbeat to Redis.
 
-Health stays NOT_SERVING until the weights are loaded and a warm-up forward ran. Knows nothing about
-drafters beyond the tap layers it is told to expose.
+Health stays NOT_SERVING until the weights are loaded and a warm-up forward ran. Once live, a sweep
+releases requests idle for `idle_ttl_s` (no prefill, verify or resume: their scheduler crashed without a
+Release), so a lost scheduler cannot fill the KV cache for good. Knows nothing about drafters beyond the
+tap layers it is told to expose.
 """
 
 from __future__ import annotations
@@ -42,10 +44,16 @@ class VerifierConfig:
     max_active: int = 256
     heartbeat_s: float = 2.0
     coalesce_wait_s: float = 0.002
+    # a request untouched (no prefill / verify / resume) this long is released; 0 = never. A live
+    # scheduler touches its requests every round (well under a second), and one whose verifier forgot a
+    # request resumes it, so the only cost of a short TTL is a Resume after a very long stall.
+    idle_ttl_s: float = 300.0
 
     def __post_init__(self):
         if self.max_active < 1:
             raise InvalidArgument("max_active", self.max_active, "must be >= 1")
+        if not self.idle_ttl_s >= 0:
+            raise InvalidArgument("idle_ttl_s", self.idle_ttl_s, "must be >= 0 (0 = never expire)")
         if self.heartbeat_s <= 0:
             raise InvalidArgument("heartbeat_s", self.heartbeat_s, "must be > 0")
 
@@ -81,6 +89,7 @@ class VerifierApp(PodLifecycle):
         verifier_service_pb2_grpc.add_VerifierServiceServicer_to_server(self.servicer, self.grpc.server)
         self.registry = Registry(RegistryConfig(config.redis_url)) if config.redis_url else None
         self.heartbeat: Heartbeat | None = None
+        self._expiry: asyncio.Task | None = None
 
     def _load(self):
         from dspark_core.target import TargetConfig, TargetRuntime
@@ -119,6 +128,31 @@ class VerifierApp(PodLifecycle):
         target, verifier = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
         self.servicer.attach(verifier, target, load_sps_points(self.config.target))
         await self.go_live()
+        if self.config.idle_ttl_s > 0:
+            self._expiry = asyncio.ensure_future(self._expire_idle(self.config.idle_ttl_s))
         log.info("verifier ready", extra={"id": self.id, "model": target.name, "port": self.port,
                                           "taps": json.dumps(list(target.config.tap_layer_ids))})
         return self
+
+    async def _expire_idle(self, ttl_s: float) -> None:
+        """Every ttl/4 (at most 10 s): release requests idle for longer than ttl_s, on the model thread."""
+        period = min(max(ttl_s / 4, 0.05), 10.0)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period)
+            try:
+                expired = await loop.run_in_executor(self.executor, self.servicer.expire_idle, ttl_s)
+            except RuntimeError:  # the executor shut down: the app is stopping
+                return
+            except Exception:  # noqa: BLE001 - the sweep must keep running
+                log.exception("idle expiry failed")
+                continue
+            if expired:
+                log.warning("released idle requests", extra={"count": len(expired), "idle_ttl_s": ttl_s,
+                                                             "request_ids": json.dumps(expired[:10])})
+
+    def _release(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        super()._release()

@@ -3,7 +3,9 @@
 All model work runs on the service's one model thread (a single-worker executor), so the Verifier is
 never touched concurrently. Concurrent Verify calls (from several schedulers) are coalesced into one
 ragged forward pass. Per-item problems come back as ItemStatus; whole-call errors are raised as
-dspark_core errors and mapped by the server's interceptor. Knows nothing about Redis or drafters.
+dspark_core errors and mapped by the server's interceptor. It remembers when each request was last
+prefilled, verified or resumed, so that `expire_idle` can free the KV caches of requests whose scheduler
+vanished without a Release (the app calls it periodically). Knows nothing about Redis or drafters.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self.num_layers = 0
         self.sps_points: list = []
         self.step_time, self.tokens_per_step = Ewma(), Ewma()
+        self.last_used: dict[str, float] = {}  # request id -> monotonic time of its last prefill / verify / resume
         self._verify = Coalescer(self._verify_batch, executor, max_wait_s=coalesce_wait_s)
         self._prefill = Coalescer(self._prefill_batch, executor, max_wait_s=coalesce_wait_s)
 
@@ -85,6 +88,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         with self._timed("prefill", sum(len(i.prompt_ids) for i in items)):
             out = self.verifier.prefill(items)
         dt = time.perf_counter() - t0
+        self._touch(it.request_id for it in items)
         metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
         return [(r, dt) for r in out]
 
@@ -99,6 +103,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
                                     f"request_id {e.request_id!r} is not active on verifier {self.verifier_id}")
             else:
                 pending.append(i)
+        self._touch(entries[i].request_id for i in pending)
         metrics.BATCH_CALLS.labels(service=_S).observe(self._verify.last_batch_calls)
         while pending:  # waves: a request id appears at most once per forward pass
             seen, wave, rest = set(), [], []
@@ -135,12 +140,38 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
             if self.verifier.num_active >= self.max_active:
                 raise ResourceExhausted(f"verifier {self.verifier_id} is full (max_active_requests {self.max_active})")
             res = self.verifier.prefill([PrefillItem(rid, tuple(req.prompt_token_ids), params)])[0]
+            self._touch([rid])
             return res, True, time.perf_counter() - t0
         if self.verifier.num_active >= self.max_active:
             raise ResourceExhausted(f"verifier {self.verifier_id} is full (max_active_requests {self.max_active})")
         res = self.verifier.resume(rid, list(req.prompt_token_ids), list(req.generated_token_ids), params)
+        self._touch([rid])
         metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
         return res, False, time.perf_counter() - t0
+
+    def _touch(self, request_ids) -> None:
+        now = time.monotonic()
+        for rid in request_ids:
+            self.last_used[rid] = now
+
+    def expire_idle(self, ttl_s: float) -> list[str]:
+        """Model thread: release every request not prefilled, verified or resumed for `ttl_s` seconds
+        (its scheduler crashed, or lost it, before a Release). Returns the released ids."""
+        if self.verifier is None:
+            return []
+        cutoff = time.monotonic() - ttl_s
+        expired = []
+        for rid, t in list(self.last_used.items()):
+            if rid not in self.verifier:
+                del self.last_used[rid]  # freed some other way
+            elif t < cutoff:
+                self.verifier.release(rid)
+                del self.last_used[rid]
+                expired.append(rid)
+        if expired:
+            metrics.VERIFIER_EXPIRED.inc(len(expired))
+            metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
+        return expired
 
     # -- RPCs
     async def Prefill(self, request, context):
@@ -219,6 +250,8 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self._ready()
         def release():
             n = sum(1 for rid in request.request_ids if self.verifier.release(rid))
+            for rid in request.request_ids:
+                self.last_used.pop(rid, None)
             metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
             return n
 

@@ -146,3 +146,40 @@ def test_full_verifier_refuses_only_the_new_request(aio, tiny_target_dir, expect
         ch.close()
     finally:
         cluster.stop(aio, s, v)
+
+
+def test_openai_stop_strings_cut_the_text_and_end_the_request(embedded):
+    port = embedded.http_port
+    body = {"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0}
+    full = json.loads(_http(port, "/v1/completions", body)[1])["choices"][0]["text"]
+    assert len(full) >= 6, full
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    want = full[: full.find(stop)]
+    status, raw = _http(port, "/v1/completions", {**body, "stop": [stop, "\u2603never"]})
+    assert status == 200, raw
+    out = json.loads(raw)
+    assert out["choices"][0]["text"] == want and out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] == len(out["dspark"]["token_ids"]) < 24
+    # streamed: the same text, nothing of the stop string leaks, the last chunk says "stop"
+    status, raw = _http(port, "/v1/completions", {**body, "stop": stop, "stream": True})
+    events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # chat too; and a stop string that never occurs changes nothing
+    status, raw = _http(port, "/v1/completions", {**body, "stop": "\u2603never"})
+    assert json.loads(raw)["choices"][0]["text"] == full
+    status, raw = _http(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 8, "temperature": 0, "stop": ["\u2603"]})
+    assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] in ("length", "stop")
+    # the cut requests were cancelled in the engine, not run to max_tokens
+    import time
+
+    deadline = time.monotonic() + 10
+    while embedded.loop.num_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert embedded.loop.num_requests == 0
+    for bad in (5, ["a", ""], ["a", "b", "c", "d", "e"]):
+        status, raw = _http(port, "/v1/completions", {**body, "stop": bad})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "stop", raw
