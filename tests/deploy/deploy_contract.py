@@ -29,7 +29,7 @@ SERVE: dict[str, ServeFlags] = {
     "verifier": ServeFlags(
         required=frozenset({"--port", "--metrics-port", "--redis-url", "--target"}),
         # --drafter-path: whose config.json names the layers to tap (the service has it; the brief does not list it)
-        optional=frozenset({"--device", "--dtype", "--drafter-path"}),
+        optional=frozenset({"--device", "--dtype", "--drafter-path", "--idle-ttl"}),
     ),
     "drafter": ServeFlags(
         # the drafter checkpoint carries its own copy of the embeddings and LM head: no target needed
