@@ -50,8 +50,7 @@ class Eagle3Layer(nn.Module):
     def forward(self, emb, h, cos, sin, past_k, past_v, mask):
         """emb, h [B, n, H]; past_k/v [B, kv, L, d]; mask [B, 1, n, L + n] or None -> (h', k, v)."""
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)  # [B, n, 2H]
-        q = self.self_attn.query(x, cos, sin)
-        k, v = self.self_attn.key_value(x, cos, sin)  # [B, kv, n, d]
+        q, k, v = self.self_attn.query_key_value(x, cos, sin)  # k, v [B, kv, n, d]
         out = h + self.self_attn.attend(q, torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2), mask)
         out = out + self.mlp(self.post_attention_layernorm(out))
         return out, k, v

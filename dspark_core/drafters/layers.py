@@ -34,6 +34,24 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def _fused_weight(module: nn.Module, parts: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The row-concatenation of several Linear layers' weights (and biases), cached on `module` and rebuilt
+    whenever any of them changes (storage or in-place version), for one matmul instead of several at
+    inference. Training never uses it: gradients must flow to the separate parameters."""
+    key = tuple((l.weight.data_ptr(), l.weight._version) for l in parts)
+    cache = module.__dict__.get("_fused_cache")
+    if cache is None or cache[0] != key:
+        weight = torch.cat([l.weight for l in parts]).detach()
+        biases = [l.bias for l in parts]
+        bias = torch.cat(biases).detach() if all(b is not None for b in biases) else None
+        cache = module.__dict__["_fused_cache"] = (key, weight, bias)
+    return cache[1], cache[2]
+
+
+def _inference(module: nn.Module) -> bool:
+    return not module.training and not torch.is_grad_enabled()
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin of shape [*positions.shape, head_dim] for integer positions (computed in float32)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
@@ -79,13 +97,34 @@ class Attention(nn.Module):
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, n, in] -> k, v [B, kv_heads, n, d] (k_norm, then RoPE on k)."""
         b, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if _inference(self):
+            weight, bias = _fused_weight(self.k_proj, (self.k_proj, self.v_proj))
+            k, v = F.linear(x, weight, bias).chunk(2, dim=-1)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        k = self.k_norm(k.view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
+
+    def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """`query` and `key_value` of the same rows; at inference one fused matmul."""
+        if not _inference(self):
+            return (self.query(x, cos, sin), *self.key_value(x, cos, sin))
+        b, n, _ = x.shape
+        d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        weight, bias = _fused_weight(self, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = F.linear(x, weight, bias).split((nh * d, nkv * d, nkv * d), dim=-1)
+        q = apply_rope(self.q_norm(q.view(b, n, nh, d)).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_norm(k.view(b, n, nkv, d)).transpose(1, 2), cos, sin)
+        return q, k, v.view(b, n, nkv, d).transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, heads, nq, d], k/v [B, kv_heads, nk, d], mask [B, 1, nq, nk] bool or None -> [B, nq, H]."""
         groups = self.num_heads // self.num_kv_heads
+        if groups > 1 and _inference(self):  # SDPA maps kv head i to query heads i*groups .. (i+1)*groups-1
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            b, _, nq, _ = out.shape
+            return self.o_proj(out.transpose(1, 2).reshape(b, nq, self.num_heads * self.head_dim))
         if groups > 1:  # kv head i serves query heads i*groups .. (i+1)*groups-1
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
@@ -103,6 +142,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _inference(self):
+            weight, _ = _fused_weight(self, (self.gate_proj, self.up_proj))
+            gate, up = F.linear(x, weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -119,8 +162,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, past_k=None, past_v=None, mask=None):
         """x [B, n, H]; cos/sin [B, n, d]; past_k/v [B, kv, L, d]; mask [B, 1, n, L + n] -> (x, k, v)."""
         normed = self.input_layernorm(x)
-        q = self.self_attn.query(normed, cos, sin)
-        k, v = self.self_attn.key_value(normed, cos, sin)  # [B, kv, n, d]
+        q, k, v = self.self_attn.query_key_value(normed, cos, sin)  # k, v [B, kv, n, d]
         keys = k if past_k is None else torch.cat((past_k, k), dim=2)  # [B, kv, L + n, d]
         values = v if past_v is None else torch.cat((past_v, v), dim=2)
         x = x + self.self_attn.attend(q, keys, values, mask)
