@@ -15,7 +15,11 @@ def add_parser(sub) -> None:
                        description="Measure SPS(B), verification steps per second with B tokens per forward "
                                    "pass, and save it as a cost table (sps.json) beside the model.")
     p.add_argument("--target", default=None, help="target model directory (default: bundled)")
-    p.add_argument("--max-batch", type=int, default=64, help="largest B in tokens (default 64)")
+    p.add_argument("--max-batch", type=int, default=256,
+                   help="largest B in tokens (default 256: 32 requests x 8 tokens); every B up to --dense-until, "
+                        "then every --stride-th")
+    p.add_argument("--dense-until", type=int, default=64, help="measure every B up to this (default 64)")
+    p.add_argument("--stride", type=int, default=8, help="B step above --dense-until (default 8)")
     p.add_argument("--context-length", type=int, default=256, help="context per sequence (default 256)")
     p.add_argument("--block", type=int, default=8, help="tokens each sequence verifies (default 8)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per B; the median counts (default 7)")
@@ -38,6 +42,8 @@ def run(args) -> int:
 
     if args.max_batch < 1:
         raise InvalidArgument("--max-batch", args.max_batch, "must be >= 1")
+    if args.stride < 1:
+        raise InvalidArgument("--stride", args.stride, "must be >= 1")
     if args.threads is not None:
         if args.threads < 1:
             raise InvalidArgument("--threads", args.threads, "must be >= 1")
@@ -47,7 +53,10 @@ def run(args) -> int:
     target_dir = args.target or default_target()
     target = TargetRuntime(TargetConfig(target_dir, device=args.device, dtype=args.dtype))
     bench = VerifyStepBench(target, context_length=args.context_length, block=args.block)
-    sizes = list(range(1, args.max_batch + 1))
+    dense = min(args.max_batch, max(1, args.dense_until))
+    sizes = list(range(1, dense + 1)) + list(range(dense + args.stride, args.max_batch + 1, args.stride))
+    if sizes[-1] != args.max_batch:
+        sizes.append(args.max_batch)
     bar = tqdm(total=args.repeats, desc="profile", unit="sweep")
     table = profile_sps(bench, sizes, repeats=args.repeats, warmup=2, progress=lambda: bar.update(1),
                         device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),

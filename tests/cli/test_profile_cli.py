@@ -26,7 +26,17 @@ def test_profile_writes_table_plot_and_json(tiny_target_dir, tmp_path, capsys):
     assert (tmp_path / "sps.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("flag, value", [("--threads", "0"), ("--max-batch", "0")])
+def test_sizes_are_dense_then_strided(tiny_target_dir, tmp_path, capsys):
+    threads = torch.get_num_threads()
+    out = tmp_path / "sps.json"
+    rc = main(["profile", "--target", str(tiny_target_dir), "--max-batch", "13", "--dense-until", "4", "--stride", "4",
+               "--repeats", "1", "--context-length", "8", "--block", "4", "--threads", "1", "--out", str(out)])
+    torch.set_num_threads(threads)
+    assert rc == 0
+    assert SpsTable.load(out).batch_sizes == (1, 2, 3, 4, 8, 12, 13)
+
+
+@pytest.mark.parametrize("flag, value", [("--threads", "0"), ("--max-batch", "0"), ("--stride", "0")])
 def test_bad_values_name_the_flag(tiny_target_dir, capsys, flag, value):
     assert main(["profile", "--target", str(tiny_target_dir), flag, value]) == 2
     err = capsys.readouterr().err
