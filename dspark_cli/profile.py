@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own; on a busy shared CPU, 1 is steadier)")
+    p.add_argument("--raw", action="store_true",
+                   help="save the raw medians; default: the monotone fit (step time never falls as B grows, "
+                        "which removes dips that outside load causes) with the raw table beside it")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=run)
 
@@ -36,7 +39,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from dspark_core.cost_model import plot_sps, profile_sps
+    from dspark_core.cost_model import monotone, plot_sps, profile_sps
     from dspark_core.profiling import VerifyStepBench
     from dspark_core.target import TargetConfig, TargetRuntime
 
@@ -64,9 +67,15 @@ def run(args) -> int:
     bar.close()
     bench.close()
     out = Path(args.out) if args.out else Path(target_dir) / "sps.json"
-    table.save(out)
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
-    plot_sps(table, plot)
+    if args.raw:
+        table.save(out)
+        plot_sps(table, plot)
+    else:
+        raw, table = table, monotone(table)
+        table.save(out)
+        raw.save(out.with_name(out.stem + "_raw.json"))
+        plot_sps(table, plot, raw=raw)
     if args.json:
         print(table.to_json())
     else:

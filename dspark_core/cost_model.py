@@ -279,6 +279,26 @@ class _CheckedSps:
         return value
 
 
+def monotone(table: SpsTable) -> SpsTable:
+    """The closest table (least squares on step time) whose step time never falls as B grows.
+
+    A forward pass carrying more tokens is never faster on the same hardware, so a measured table that
+    dips is showing noise from the rest of the machine: a burst during B = 12's repeats makes B = 12 look
+    slower than B = 14. Isotonic regression (pool adjacent violators) on the step times removes such dips
+    and keeps every genuine rise; a table that is already monotone comes back unchanged.
+    """
+    blocks: list[list[float]] = []  # [sum of step times, count]
+    for t in table._step_times:
+        blocks.append([t, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    times = [total / count for total, count in blocks for _ in range(int(count))]
+    return SpsTable(batch_sizes=table.batch_sizes, steps_per_second=tuple(1.0 / t for t in times),
+                    device=table.device, dtype=table.dtype, context_length=table.context_length, model=table.model)
+
+
 def sps_callable(sps: SpsLike) -> Callable[[int], float]:
     """Normalise the ways a caller can give SPS(B) into one callable B -> steps per second.
 
@@ -301,8 +321,10 @@ def sps_callable(sps: SpsLike) -> Callable[[int], float]:
     return _SequenceSps(sps)
 
 
-def plot_sps(table: SpsTable, path: str | os.PathLike[str], *, max_batch: int | None = None) -> None:
-    """Write a PNG with SPS(B) and token throughput B * SPS(B), measured points marked.
+def plot_sps(table: SpsTable, path: str | os.PathLike[str], *, max_batch: int | None = None,
+             raw: SpsTable | None = None) -> None:
+    """Write a PNG with SPS(B) and token throughput B * SPS(B), measured points marked (and the raw
+    medians as grey dots when `table` is a smoothed version of `raw`).
 
     The curve is drawn from B = 1 to `max_batch` (default: the last measured batch size); past the last
     measured point it shows the extrapolation, dashed.
@@ -322,15 +344,19 @@ def plot_sps(table: SpsTable, path: str | os.PathLike[str], *, max_batch: int | 
     ax_sps, ax_tok = fig.subplots(1, 2)
     inside = list(range(1, min(top, last) + 1))
     beyond = list(range(last, top + 1)) if top > last else []
-    for ax, fn, label in (
-        (ax_sps, lambda b: table(b), "steps per second"),
-        (ax_tok, lambda b: b * table(b), "tokens per second (B x SPS)"),
+    for ax, fn, raw_fn, label in (
+        (ax_sps, lambda b: table(b), lambda b: raw(b), "steps per second"),
+        (ax_tok, lambda b: b * table(b), lambda b: b * raw(b), "tokens per second (B x SPS)"),
     ):
         ax.plot(inside, [fn(b) for b in inside], "-", color="C0", label="interpolated")
         if beyond:
             ax.plot(beyond, [fn(b) for b in beyond], "--", color="C1", label="extrapolated")
         measured = [b for b in table.batch_sizes if b <= top]
-        ax.plot(measured, [fn(b) for b in measured], "o", color="C0", label="measured")
+        if raw is not None:
+            ax.plot(measured, [raw_fn(b) for b in measured], ".", color="0.6", label="raw medians")
+            ax.plot(measured, [fn(b) for b in measured], "o", color="C0", ms=3, label="monotone fit")
+        else:
+            ax.plot(measured, [fn(b) for b in measured], "o", color="C0", label="measured")
         ax.set_xlabel("tokens per forward pass (B)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)

@@ -305,3 +305,17 @@ def test_profile_sps_validates_arguments_before_measuring(kwargs, field):
 def test_profile_sps_on_real_clock_gives_positive_finite_table():
     t = profile_sps(lambda b: sum(range(100 * b)), [1, 4], repeats=3, warmup=1)
     assert all(s > 0 and math.isfinite(s) for s in t.steps_per_second)
+
+
+def test_monotone_removes_dips_in_step_time_and_keeps_rises():
+    from dspark_core.cost_model import monotone
+
+    # step times 10, 20, 12 (a dip: B=3 looked faster than B=2), 30, 40 ms
+    raw = SpsTable(batch_sizes=(1, 2, 3, 4, 5), steps_per_second=(100.0, 50.0, 1 / 0.012, 1 / 0.03, 25.0),
+                   device="cpu", model="m")
+    fit = monotone(raw)
+    times = [1 / s for s in fit.steps_per_second]
+    assert times == pytest.approx([0.010, 0.016, 0.016, 0.030, 0.040])  # the violating pair pooled to its mean
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    assert fit.device == "cpu" and fit.model == "m" and fit.batch_sizes == raw.batch_sizes
+    assert monotone(fit) == fit  # already monotone: unchanged
