@@ -100,12 +100,14 @@ def table_text(r: dict) -> str:
     lines = [f"STS for {r['drafter']}: {r['num_prompts']} prompts ({', '.join(r['datasets'])}; split {r['split']}), "
              f"{r['rounds_fit']} rounds fitted; table on {r['table_on']} ({r['rounds_check']} rounds)",
              "survival a_k = prod c_i vs prefix accepted | conditional c_k vs k-th accepted given < k accepted",
-             "  k   t_k    rounds  rate   ECE raw  ECE STS  AUC   | rounds  ECE raw  ECE STS  AUC"]
+             "  k   t_k    rounds  rate   ECE raw  ECE STS  floor  AUC   | rounds  ECE raw  ECE STS  AUC"]
     for row, t in zip(r["table"], r["temperatures"]):
         lines.append(f"{row['position']:3d} {t:6.3f} {row['rounds']:8d} {f(row['prefix_accept_rate'])} "
-                     f"{f(row['ece_survival_raw'])}  {f(row['ece_survival_sts'])} {f(row['auc_survival'])} | "
+                     f"{f(row['ece_survival_raw'])}  {f(row['ece_survival_sts'])} {f(row.get('ece_survival_floor'))} "
+                     f"{f(row['auc_survival'])} | "
                      f"{row['conditional_rounds']:6d} {f(row['ece_conditional_raw'])}  "
                      f"{f(row['ece_conditional_sts'])} {f(row['auc_conditional'])}")
+    lines.append("floor: ECE a perfectly calibrated head with the STS confidences scores on these rounds (noise)")
     if r["unfitted_positions"]:
         lines.append(f"positions {r['unfitted_positions']} had < {r['min_rounds']} fitting rounds: t = 1 kept")
     if "written" in r:

@@ -36,6 +36,18 @@ def _decay(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"must be a number or 'paper'; got {text!r}") from None
 
 
+def _support(text: str) -> int | None:
+    if text == "vocab":
+        return None
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'vocab'; got {text!r}")
+    return k
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="train a drafter for a target (self-distillation, target cache, training)",
@@ -85,6 +97,17 @@ def add_parser(sub) -> None:
     g.add_argument("--position-decay", type=_decay, default=4.0,
                    help="slot weights exp(-j / DECAY); 'paper' = block size (default 4, the reference code)")
     g.add_argument("--step-decay", type=float, default=0.8, help="Eagle3 TTT step weights DECAY^s (0.8)")
+    g.add_argument("--confidence-support", type=_support, default=32, metavar="K|vocab",
+                   help="the confidence label is the acceptance of the draft truncated to its top-K, as inference "
+                        "samples it (default 32, the drafters' support); 'vocab' = full vocabulary (paper formula)")
+    g.add_argument("--confidence-temperature", type=float, default=1.0,
+                   help="sampling temperature of draft and target in the confidence label (default 1.0)")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this drafter checkpoint's weights (same kind, shape and taps; the block size "
+                        "may differ) instead of a fresh initialisation")
+    g.add_argument("--trainable", default="all", choices=("all", "confidence"),
+                   help="parameters to train: all (but the frozen embedding / LM head; default) or only the "
+                        "confidence head (with --init-from: refit the confidence, drafts and tau unchanged)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda when present")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -127,7 +150,7 @@ def run(args) -> int:
     from dspark_core.training.data import load_prompts, split
     from dspark_core.training.distributed import init_distributed
     from dspark_core.training.prepare import DistillSettings, prepare_target_cache
-    from dspark_core.training.trainer import TrainConfig, Trainer, fresh_drafter
+    from dspark_core.training.trainer import TrainConfig, Trainer, fresh_drafter, init_from_checkpoint
 
     cfg = TrainConfig(
         kind=args.kind, out_dir=args.out, steps=args.steps, global_batch=args.global_batch,
@@ -136,7 +159,11 @@ def run(args) -> int:
         keep_checkpoints=args.keep_checkpoints, max_length=args.max_length, block_size=args.block_size,
         draft_layers=args.draft_layers, markov_rank=args.markov_rank, target_layer_ids=args.target_layers,
         ce_weight=args.ce_weight, tv_weight=args.tv_weight, confidence_weight=args.confidence_weight,
-        position_decay=args.position_decay, step_decay=args.step_decay, fsdp=args.fsdp, bf16=args.bf16)
+        position_decay=args.position_decay, step_decay=args.step_decay,
+        confidence_support=args.confidence_support, confidence_temperature=args.confidence_temperature,
+        init_from=args.init_from, trainable=args.trainable, fsdp=args.fsdp, bf16=args.bf16)
+    if args.init_from and not Path(args.init_from, "config.json").is_file():
+        raise InvalidArgument("--init-from", args.init_from, "must be a drafter checkpoint directory (config.json)")
     settings = DistillSettings(max_new_tokens=args.max_new_tokens, temperature=args.distill_temperature,
                                seed=args.seed, concurrency=args.concurrency, dtype=args.cache_dtype)
     ctx = init_distributed(dist_config_from_env(args.device))
@@ -156,6 +183,9 @@ def run(args) -> int:
         cache = prepare_target_cache(target, train_prompts, args.cache_dir or Path(args.out) / "cache", ctx,
                                      settings, rebuild=args.rebuild_cache, progress=not args.no_progress, log=say)
         drafter = fresh_drafter(target, cfg)
+        if cfg.init_from:
+            init_from_checkpoint(drafter, cfg.init_from)
+            say(f"initialised from {cfg.init_from}")
         del target
         gc.collect()
         data_info = {"prompt_files": [str(f) for f in args.data], "train_prompts": len(train_prompts),

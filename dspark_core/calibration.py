@@ -104,6 +104,23 @@ def ece(probs, labels, bins: int = NUM_BINS) -> float:
     return float(gap.sum() / p.size)
 
 
+def ece_noise_floor(probs, bins: int = NUM_BINS, draws: int = 200, seed: int = 0) -> float:
+    """Mean ECE of these scores against labels drawn from the scores themselves (y ~ Bernoulli(p)): what a
+    perfectly calibrated predictor with these confidences scores on this many rounds, by sampling noise
+    alone (about 0.4 * sqrt(occupied bins / n) at p near 0.5). Differences in ECE below it are not measurable."""
+    p = np.asarray(probs, dtype=np.float64).ravel()
+    if p.size == 0:
+        return math.nan
+    rng = np.random.default_rng(seed)
+    idx = _bin_index(p, bins)
+    sp = np.bincount(idx, weights=p, minlength=bins)
+    out = []
+    for _ in range(draws):
+        y = (rng.random(p.size) < p).astype(np.float64)
+        out.append(np.abs(sp - np.bincount(idx, weights=y, minlength=bins)).sum() / p.size)
+    return float(np.mean(out))
+
+
 def reliability(probs, labels, bins: int = NUM_BINS) -> dict[str, list]:
     """Reliability-diagram data per equal-width bin: count, mean confidence, observed frequency (None if empty)."""
     p, y = _check_pair(probs, labels)
@@ -213,7 +230,8 @@ def fit_sts(records: RolloutRecords, grid=DEFAULT_GRID, bins: int = NUM_BINS, mi
 
 
 def calibration_table(records: RolloutRecords, before=None, after=None, bins: int = NUM_BINS) -> list[dict]:
-    """Per position: rounds, ECE of survival (raw / STS), ECE of conditional (raw / STS), and AUCs of both views."""
+    """Per position: rounds, ECE of survival (raw / STS, and the sampling-noise floor of the STS scores), ECE of
+    conditional (raw / STS), and AUCs of both views."""
     rows = []
     for k in range(1, records.gamma + 1):
         s_raw, y_s = position_view(records, k, before, "survival")
@@ -226,6 +244,7 @@ def calibration_table(records: RolloutRecords, before=None, after=None, bins: in
             "prefix_accept_rate": float(y_s.mean()) if y_s.size else math.nan,
             "ece_survival_raw": ece(s_raw, y_s, bins),
             "ece_survival_sts": ece(s_cal, y_s, bins),
+            "ece_survival_floor": ece_noise_floor(s_cal, bins),
             "auc_survival": roc_auc(s_cal, y_s),
             "conditional_rounds": int(y_c.size),
             "ece_conditional_raw": ece(c_raw, y_c, bins),

@@ -9,7 +9,13 @@ What lives here:
   which trained the released checkpoints); `LossConfig.position_decay = None` selects the paper's gamma;
 - DSpark / DFlash loss sums: CE on the data token with the corrected logits U + B, TV = the full L1
   `||softmax(U+B) - p_target||_1`, and confidence BCE against the detached soft label
-  `c* = 1 - 0.5 ||p_draft - p_target||_1`, each weighted by w and to be normalised by the sum of weights;
+  `c* = 1 - 0.5 ||p_draft - p_target||_1`, each weighted by w and to be normalised by the sum of weights.
+  `p_draft` in the label is the distribution inference actually *samples* from: `softmax((U+B) / T)`
+  truncated to its top-k and renormalised (k = `LossConfig.confidence_support`, the drafters' sampling
+  support; None = full vocabulary), against `softmax(target / T)` at the same T
+  (`LossConfig.confidence_temperature`, 1.0 = the evaluation protocol). With the full-vocabulary label,
+  a drafter that samples from a top-32 support is told its acceptance is far higher than what
+  verification then accepts (issue #3: +18 points at slot 1 on the bundled target);
 - Eagle3 training-time-test targets and soft cross-entropy per TTT step s, weighted 0.8^s.
 
 Target distributions come from the cached final hidden states through the frozen LM head, at T = 1, only
@@ -49,6 +55,10 @@ class LossConfig:
     position_decay: float | None = 4.0
     # Eagle3: weight of TTT step s is step_decay ** s
     step_decay: float = 0.8
+    # confidence soft label: top-k support of the draft distribution the label assumes (None = full
+    # vocabulary, the paper's formula) and the sampling temperature of draft and target in the label
+    confidence_support: int | None = None
+    confidence_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -68,6 +78,14 @@ class LossConfig:
         if isinstance(self.step_decay, bool) or not isinstance(self.step_decay, (int, float)) \
                 or not 0 < self.step_decay <= 1:
             raise InvalidArgument("step_decay", self.step_decay, "must be in (0, 1]")
+        if self.confidence_support is not None and (isinstance(self.confidence_support, bool)
+                                                    or not isinstance(self.confidence_support, int)
+                                                    or self.confidence_support < 1):
+            raise InvalidArgument("confidence_support", self.confidence_support,
+                                  "must be an integer >= 1 (or None = full vocabulary)")
+        t = self.confidence_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise InvalidArgument("confidence_temperature", t, "must be a finite number > 0")
 
 
 @dataclass
@@ -166,6 +184,23 @@ def target_logits(final_hidden: torch.Tensor, positions: torch.Tensor, lm_head_w
         return F.linear(h.to(lm_head_weight.dtype), lm_head_weight).float()
 
 
+def acceptance_probability(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,
+                           support: int | None = None) -> torch.Tensor:
+    """[N, V] x [N, V] -> [N]: `1 - 0.5 ||q - p||_1` = `sum_x min(p(x), q(x))`, the probability that
+    speculative sampling accepts a token drawn from q, where q = softmax(draft / T) truncated to its top
+    `support` entries and renormalised (exactly what `drafters.sampling.choose_tokens` samples from; None =
+    full vocabulary) and p = softmax(target / T). No gradient."""
+    with torch.no_grad():
+        d, t = draft_logits.float() / temperature, target_logits.float() / temperature
+        p = torch.softmax(t, dim=-1)
+        if support is None or support >= d.shape[-1]:
+            q = torch.softmax(d, dim=-1)
+        else:
+            vals, ids = d.topk(support, dim=-1)
+            q = torch.zeros_like(d).scatter_(-1, ids, torch.softmax(vals, dim=-1))
+        return (1.0 - 0.5 * (q - p).abs().sum(dim=-1)).clamp(0.0, 1.0)
+
+
 def dspark_loss_sums(logits: torch.Tensor, confidence_logits: torch.Tensor | None, targets: BlockTargets,
                      final_hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor,
                      config: LossConfig) -> LossSums:
@@ -174,6 +209,7 @@ def dspark_loss_sums(logits: torch.Tensor, confidence_logits: torch.Tensor | Non
     logits [B, A, gamma, V] corrected draft logits U + B (teacher forced); confidence_logits [B, A, gamma]
     or None; final_hidden [B, S, H] cached target states; lm_head_weight [V, H] the frozen head.
     Terms: ce, tv, conf (each num = sum w * loss, den = sum w) and `accept` (mean soft label, coef 0).
+    The soft label is `acceptance_probability` with the config's confidence support and temperature.
     """
     gamma = logits.shape[2]
     sel = targets.supervised  # [B, A, gamma]
@@ -192,11 +228,16 @@ def dspark_loss_sums(logits: torch.Tensor, confidence_logits: torch.Tensor | Non
     need_target = config.tv_weight > 0 or confidence_logits is not None
     if need_target:
         pos = block_target_positions(anchors, gamma)[sel]  # [N]
-        p_target = torch.softmax(target_logits(final_hidden, torch.stack((idx[:, 0], pos), 1), lm_head_weight), -1)
+        t_logits = target_logits(final_hidden, torch.stack((idx[:, 0], pos), 1), lm_head_weight)
+        p_target = torch.softmax(t_logits, -1)
         l1 = (torch.softmax(draft, dim=-1) - p_target).abs().sum(dim=-1)  # [N], in [0, 2]
         if config.tv_weight > 0:
             add("tv", l1, config.tv_weight)
-        soft_label = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # c* (acceptance probability)
+        if config.confidence_support is None and config.confidence_temperature == 1.0:
+            soft_label = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # c* (acceptance probability)
+        else:  # c* of the distribution inference samples from (top-k support, temperature T)
+            soft_label = acceptance_probability(draft.detach(), t_logits, config.confidence_temperature,
+                                                config.confidence_support)
         add("accept", soft_label, 0.0)
         if confidence_logits is not None:
             conf = confidence_logits[sel].float()

@@ -13,6 +13,8 @@
   optimizer, scheduler, step, sampler position, RNG states), the final drafter in `final/`, and a
   training card (`training_card.json`, `README.md`). `resume=True` continues from the latest checkpoint
   and reproduces an uninterrupted run exactly.
+- `init_from_checkpoint`: start a run from a saved drafter's weights (fine-tuning a shipped drafter with
+  another loss, more steps or another block size) instead of a seeded initialisation.
 
 Knows nothing about prompts, distillation or the command line.
 """
@@ -33,7 +35,8 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
-from dspark_core.drafters.checkpoint import WEIGHTS_FILE, build_drafter, save_drafter
+from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE
+from dspark_core.drafters.checkpoint import WEIGHTS_FILE, build_drafter, load_drafter, save_drafter
 from dspark_core.drafters.config import ARCH_DSPARK, ARCH_EAGLE3, DrafterConfig, load_config
 from dspark_core.errors import InvalidArgument
 from dspark_core.training import losses as L
@@ -41,6 +44,9 @@ from dspark_core.training.distributed import (WRAP_FSDP, DistContext, EpochSampl
                                               grad_sync, load_full_state, wrap_model)
 
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
+# what a run trains: everything but the frozen embedding / LM head, or only the confidence head (refit the
+# confidence of an already trained drafter without moving its drafts: tau stays exactly the same)
+TRAINABLE = ("all", "confidence")
 STATE_FILE = "trainer_state.pt"
 
 
@@ -82,6 +88,13 @@ class TrainConfig:
     confidence_weight: float | None = None
     position_decay: float | None = 4.0  # w_j = exp(-j / decay); None = block size (the paper)
     step_decay: float = 0.8  # Eagle3 TTT step weights
+    # confidence soft label: acceptance of the top-k truncated draft inference samples from (the drafters'
+    # default support, 32; None = full vocabulary) at this sampling temperature (1.0 = the eval protocol)
+    confidence_support: int | None = DEFAULT_SUPPORT_SIZE
+    confidence_temperature: float = 1.0
+    # start from this drafter checkpoint's weights (None = seeded initialisation); recorded in the card
+    init_from: str | None = None
+    trainable: str = "all"  # all | confidence (only the confidence head; needs a DSpark kind)
     fsdp: bool = False
     bf16: bool = False  # autocast on CUDA
 
@@ -101,6 +114,10 @@ class TrainConfig:
         _int("keep_checkpoints", self.keep_checkpoints, 1)
         _int("max_length", self.max_length, 2)
         _int("block_size", self.block_size, 1)
+        if self.trainable not in TRAINABLE:
+            raise InvalidArgument("trainable", self.trainable, f"must be one of {list(TRAINABLE)}")
+        if self.trainable == "confidence" and self.kind not in ("dspark", "dspark-rnn"):
+            raise InvalidArgument("trainable", self.trainable, f"needs a drafter with a confidence head, not {self.kind}")
         if self.draft_layers is not None:
             _int("draft_layers", self.draft_layers, 1)
             if self.kind == "eagle3" and self.draft_layers != 1:
@@ -119,7 +136,8 @@ class TrainConfig:
     def loss_config(self) -> L.LossConfig:
         return L.LossConfig(kind=self.kind, ce_weight=self.ce_weight, tv_weight=self.tv_weight,
                             confidence_weight=self.confidence_weight, position_decay=self.position_decay,
-                            step_decay=self.step_decay)
+                            step_decay=self.step_decay, confidence_support=self.confidence_support,
+                            confidence_temperature=self.confidence_temperature)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -188,10 +206,15 @@ def drafter_config_for_target(target, config: TrainConfig) -> DrafterConfig:
         enable_confidence_head=config.kind != "dflash", confidence_head_with_markov=True, **common)
 
 
-def set_trainable(drafter: nn.Module) -> nn.Module:
-    """Everything trains except the embedding and LM head copied from the target."""
+def set_trainable(drafter: nn.Module, which: str = "all") -> nn.Module:
+    """`all`: everything trains except the embedding and LM head copied from the target; `confidence`: only
+    the confidence head's parameters."""
+    if which not in TRAINABLE:
+        raise InvalidArgument("trainable", which, f"must be one of {list(TRAINABLE)}")
     for name, p in drafter.named_parameters():
-        p.requires_grad_(name not in FROZEN)
+        p.requires_grad_(name not in FROZEN if which == "all" else name.startswith("confidence_head."))
+    if not any(p.requires_grad for p in drafter.parameters()):
+        raise InvalidArgument("trainable", which, "leaves nothing to train in this drafter")
     return drafter.train()
 
 
@@ -209,6 +232,36 @@ def fresh_drafter(target, config: TrainConfig) -> nn.Module:
         if head is not None:
             head.markov_w2.weight.zero_()
     return set_trainable(drafter)
+
+
+def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:
+    """Copy a saved drafter's weights (DeepSpec format, any stored dtype) into `drafter`, in place.
+
+    The checkpoint must be the same architecture and kind with the same tensor names and shapes, tapped
+    layers, Markov head type and MASK token; the block size may differ (no weight depends on it), so a
+    block-7 drafter can seed a block-16 run. The embedding and LM head keep the target's values (frozen
+    copies; a bf16-shipped checkpoint holds rounded ones). Raises InvalidArgument naming what differs.
+    """
+    src = load_drafter(path, device="cpu", dtype=torch.float32)
+    a, b = src.config, drafter.config
+    for name in ("architecture", "kind", "target_layer_ids", "mask_token_id", "markov_head_type",
+                 "enable_confidence_head"):
+        if getattr(a, name, None) != getattr(b, name, None):
+            raise InvalidArgument("init_from", str(path), f"has {name} {getattr(a, name, None)!r}, this run "
+                                                          f"needs {getattr(b, name, None)!r}")
+    theirs, ours = src.state_dict(), drafter.state_dict()
+    if set(theirs) != set(ours):
+        diff = sorted(set(theirs) ^ set(ours))
+        raise InvalidArgument("init_from", str(path), f"holds other tensors than this drafter ({', '.join(diff[:4])})")
+    for k, v in ours.items():
+        if theirs[k].shape != v.shape:
+            raise InvalidArgument("init_from", str(path), f"has {k} of shape {list(theirs[k].shape)}, this run "
+                                                          f"needs {list(v.shape)}")
+    with torch.no_grad():
+        for k, v in ours.items():
+            if k not in FROZEN:
+                v.copy_(theirs[k].to(v.dtype))
+    return drafter
 
 
 # ---- batches ----------------------------------------------------------------------------------------
@@ -354,7 +407,7 @@ class Trainer:
         self.data_info = data_info or {}
         self.out = Path(config.out_dir)
         self.gamma = dc.gamma
-        self.step_module = TrainStep(set_trainable(drafter).to(ctx.device), config.loss_config())
+        self.step_module = TrainStep(set_trainable(drafter, config.trainable).to(ctx.device), config.loss_config())
         self.model, self.mode = wrap_model(self.step_module, ctx, fsdp=config.fsdp)
         # parameter objects after wrapping (FSDP swaps them for sharded DTensors)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

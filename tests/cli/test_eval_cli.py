@@ -92,6 +92,7 @@ def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp
     assert len(r["temperatures"]) == 4 and len(r["table"]) == 4 and r["rounds_fit"] >= 5
     assert r["unfitted_positions"] == [] and r["table_on"].startswith("held-out")
     assert {"ece_survival_raw", "ece_survival_sts", "auc_survival", "auc_conditional"} <= set(r["table"][0])
+    assert all(0 <= row["ece_survival_floor"] <= 1 for row in r["table"] if row["rounds"])
     assert load_drafter(d).config.sts_temperatures == tuple(r["temperatures"])
     assert all((tmp_path / "p" / f).stat().st_size > 0
                for f in ("reliability_before.png", "reliability_after.png"))
@@ -143,3 +144,15 @@ def test_bad_input_is_one_line_exit_2(args, needle, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_report_table1_keeps_the_trained_block_size_when_a_sweep_ties_it(tmp_path, capsys):
+    from dspark_core.report import table1
+
+    results = []
+    for block, tau in ((7, 1.8), (4, 1.7)):
+        for name, kind in (("dspark", "dspark"), ("dflash", "dflash")):
+            r = _result(name, kind, "mbpp", "code", tau if kind == "dspark" else 1.5, block=block)
+            r["trained_block_size"] = 7
+            results.append(r)
+    assert table1(results)["block_size"] == 7

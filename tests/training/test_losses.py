@@ -112,6 +112,44 @@ def test_tv_is_zero_and_soft_label_one_when_draft_equals_target():
     assert conf.grad is not None and logits.grad is not None
 
 
+def test_soft_label_matches_the_truncated_tempered_draft_inference_samples_from():
+    # draft logits (2, 1, 0, -9): top-2 support at T = 1 is q = softmax(2, 1) on tokens 0, 1
+    draft = torch.tensor([[2.0, 1.0, 0.0, -9.0]])
+    target = torch.tensor([[0.0, 1.0, 1.5, 0.0]])
+    p = torch.softmax(target, -1)[0]
+    q2 = torch.softmax(torch.tensor([2.0, 1.0]), -1)
+    want = float(torch.minimum(p[:2], q2).sum())  # sum_x min(p, q): tokens 2, 3 have q = 0
+    assert L.acceptance_probability(draft, target, 1.0, 2).item() == pytest.approx(want, rel=1e-6)
+    full = float(torch.minimum(p, torch.softmax(draft, -1)[0]).sum())
+    assert L.acceptance_probability(draft, target, 1.0, None).item() == pytest.approx(full, rel=1e-6)
+    assert L.acceptance_probability(draft, target, 1.0, 4).item() == pytest.approx(full, rel=1e-6)
+    # temperature applies to both distributions
+    pt, qt = torch.softmax(target / 0.5, -1)[0], torch.softmax(draft / 0.5, -1)[0]
+    assert L.acceptance_probability(draft, target, 0.5).item() == pytest.approx(float(torch.minimum(pt, qt).sum()),
+                                                                               rel=1e-6)
+    # support 1: the draft is its argmax, accepted with the target's probability of it
+    assert L.acceptance_probability(draft, target, 1.0, 1).item() == pytest.approx(float(p[0]), rel=1e-6)
+
+
+def test_confidence_loss_uses_the_truncated_label_and_leaves_tv_full():
+    # target (0.5, 0.3, 0.2) at position 1, draft (0.4, 0.35, 0.25): top-1 support -> q = (1, 0, 0), c* = 0.5
+    ids = torch.tensor([[0, 1, 0]])
+    mask = torch.tensor([[1, 1, 1]], dtype=torch.bool)
+    anchors, valid = torch.tensor([[1]]), torch.tensor([[True]])
+    t = L.block_targets(ids, mask, anchors, valid, gamma=1, decay=4.0)
+    final_hidden = torch.zeros(1, 3, 3)
+    final_hidden[0, 1] = torch.tensor([0.5, 0.3, 0.2]).log()
+    logits = torch.tensor([0.4, 0.35, 0.25]).log().reshape(1, 1, 1, 3)
+    conf = torch.tensor([[[0.0]]])
+    s = L.dspark_loss_sums(logits, conf, t, final_hidden, anchors, _one_hot_lm(3), L.LossConfig(confidence_support=1))
+    v = s.values()
+    assert v["accept"] == pytest.approx(0.5, abs=1e-6)
+    assert v["tv"] == pytest.approx(0.2, abs=1e-6)  # full L1 |0.4-0.5| + |0.35-0.3| + |0.25-0.2|
+    assert v["conf"] == pytest.approx(math.log(2), rel=1e-5)  # BCE(sigmoid(0) = 0.5, 0.5)
+    full = L.dspark_loss_sums(logits, conf, t, final_hidden, anchors, _one_hot_lm(3), L.LossConfig()).values()
+    assert full["accept"] == pytest.approx(0.9, abs=1e-6)
+
+
 def test_sums_over_micro_batches_equal_one_big_batch():
     g = torch.Generator().manual_seed(1)
     v, gamma = 7, 3
@@ -144,6 +182,10 @@ def test_loss_config_validates_with_field_names():
         L.LossConfig(kind="medusa")
     with pytest.raises(InvalidArgument, match="position_decay"):
         L.LossConfig(position_decay=0)
+    with pytest.raises(InvalidArgument, match="confidence_support"):
+        L.LossConfig(confidence_support=0)
+    with pytest.raises(InvalidArgument, match="confidence_temperature"):
+        L.LossConfig(confidence_temperature=0.0)
 
 
 # ---- Eagle3 ------------------------------------------------------------------------------------

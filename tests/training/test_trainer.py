@@ -17,7 +17,7 @@ from dspark_core.training.data import load_prompts, split
 from dspark_core.training.distributed import DistConfig, init_distributed
 from dspark_core.training.prepare import DistillSettings, prepare_target_cache
 from dspark_core.training.trainer import (TrainConfig, Trainer, default_target_layers, drafter_config_for_target,
-                                          fresh_drafter, lr_factor, mask_token_for)
+                                          fresh_drafter, init_from_checkpoint, lr_factor, mask_token_for)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -184,3 +184,59 @@ def test_a_fresh_run_refuses_an_output_directory_with_checkpoints(cli_run, targe
     cfg = TrainConfig(out_dir=str(out), steps=12, global_batch=6, block_size=4, target_layer_ids=(0, 1, 2))
     with pytest.raises(InvalidArgument, match="out_dir"):
         Trainer(cfg, TargetCache(out / "cache"), fresh_drafter(target, cfg), ctx, progress=False)
+
+
+def test_init_from_copies_a_checkpoint_and_keeps_the_targets_frozen_rows(cli_run, target):
+    final = cli_run[0] / "final"
+    saved = load_file(str(final / "model.safetensors"))
+    for block in (4, 6):  # the run's block size, and another one (no weight depends on it)
+        cfg = TrainConfig(block_size=block, target_layer_ids=(0, 1, 2))
+        drafter = init_from_checkpoint(fresh_drafter(target, cfg), final)
+        assert drafter.config.block_size == block
+        for k, v in drafter.state_dict().items():
+            if k in ("embed_tokens.weight", "lm_head.weight"):
+                continue
+            assert torch.equal(v, saved[k].float()), k
+        assert torch.equal(drafter.lm_head.weight, target.model.get_output_embeddings().weight.float())
+    with pytest.raises(InvalidArgument, match="init_from"):  # other taps
+        init_from_checkpoint(fresh_drafter(target, TrainConfig(block_size=4, target_layer_ids=(0, 1))), final)
+    with pytest.raises(InvalidArgument, match="init_from"):  # other kind
+        init_from_checkpoint(fresh_drafter(target, TrainConfig(kind="dflash", target_layer_ids=(0, 1, 2))), final)
+
+
+def test_cli_init_from_continues_training_a_checkpoint(cli_run, tiny_target_dir, tmp_path):
+    out, data = cli_run
+    run = tmp_path / "ft"
+    rc = main(["train", "--kind", "dspark", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(run),
+               "--cache-dir", str(out / "cache"), "--steps", "2", "--global-batch", "6", "--lr", "1e-3",
+               "--init-from", str(out / "final"), "--confidence-support", "8", *TRAIN_ARGS])
+    assert rc == 0
+    card = json.loads((run / "training_card.json").read_text())
+    assert card["config"]["init_from"] == str(out / "final") and card["config"]["confidence_support"] == 8
+    # the first step starts from the checkpoint, not from a fresh drafter: its loss is near the run's last
+    first = losses(run)[0]
+    assert first < losses(out)[0] - 0.05
+
+
+def test_cli_init_from_a_missing_directory_is_one_line(cli_run, tiny_target_dir, tmp_path, capsys):
+    _, data = cli_run
+    rc = main(["train", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(tmp_path / "x"),
+               "--init-from", str(tmp_path / "nope"), *TRAIN_ARGS])
+    assert rc == 2
+    assert "--init-from" in capsys.readouterr().err
+
+
+def test_trainable_confidence_moves_only_the_confidence_head(cli_run, target, ctx, tmp_path):
+    final = cli_run[0] / "final"
+    cfg = TrainConfig(out_dir=str(tmp_path / "conf"), steps=2, global_batch=4, lr=1e-2, num_anchors=8, block_size=4,
+                      target_layer_ids=(0, 1, 2), trainable="confidence", init_from=str(final))
+    drafter = init_from_checkpoint(fresh_drafter(target, cfg), final)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    Trainer(cfg, TargetCache(cli_run[0] / "cache"), drafter, ctx, progress=False).train()
+    after = load_file(str(tmp_path / "conf" / "final" / "model.safetensors"))
+    moved = {k for k in before if not torch.equal(before[k], after[k].to(before[k].dtype))}
+    assert moved and all(k.startswith("confidence_head.") for k in moved), moved
+    with pytest.raises(InvalidArgument, match="trainable"):
+        TrainConfig(kind="dflash", trainable="confidence")
+    with pytest.raises(InvalidArgument, match="trainable"):
+        TrainConfig(trainable="backbone")
