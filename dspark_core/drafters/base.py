@@ -25,7 +25,12 @@ import torch
 
 from dspark_core.errors import InvalidArgument
 
-DEFAULT_SUPPORT_SIZE = 32
+# Top-k of the draft distribution that drafts are sampled from (and that travels with each draft token).
+# Truncation is lossless but lowers acceptance by the draft mass it cuts: on the bundled 4,096-token
+# drafters at T = 1, top-32 cost 19-24% of tau (1.74 vs 2.28 on math500, 1.86 vs 2.30 on mbpp) and
+# top-1024 cost 5-6%. 4,096 is the whole vocabulary of small models and a bounded message (7 slots x
+# 4,096 x 8 bytes) for large ones, whose tails past the top few thousand are negligible.
+DEFAULT_SUPPORT_SIZE = 4096
 
 
 @dataclass

@@ -79,7 +79,7 @@ class DSparkDrafter(ParallelBackbone):
         self.markov_head = build_markov_head(config)
         self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
         self.name = name or config.kind
-        self.support_size = support_size
+        self.support_size = min(support_size, config.vocab_size)
 
     # ---- Drafter protocol -----------------------------------------------------------------------
 

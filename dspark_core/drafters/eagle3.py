@@ -101,7 +101,7 @@ class Eagle3Drafter(nn.Module):
         # [V, H]
         self.lm_head = nn.Linear(h, v, bias=False)
         self.name = name or "eagle3"
-        self.support_size = support_size
+        self.support_size = min(support_size, config.vocab_size)
 
     @property
     def vocab_size(self) -> int:

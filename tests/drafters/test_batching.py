@@ -57,7 +57,7 @@ def test_batched_sampling_with_mixed_temperatures_equals_per_prompt(name, drafte
     assert_same_round(batched, singles, b_props, s_props)
     assert b_props[0].support_ids is None and b_props[0].support_probs is None  # greedy request
     for prop in b_props[1:]:
-        assert prop.support_ids.shape == prop.support_probs.shape == (4, 32)
+        assert prop.support_ids.shape == prop.support_probs.shape == (4, d.support_size)
         assert prop.support_probs.dtype == torch.float32
         torch.testing.assert_close(prop.support_probs.sum(-1), torch.ones(4))
         for k, tok in enumerate(prop.tokens):
@@ -77,9 +77,10 @@ def test_sampled_tokens_feed_markov_and_confidence_heads(name, drafter, referenc
     tf = d.run_heads(out.hidden, out.base_logits, teacher[:, 0], teacher_prev=teacher)
     torch.testing.assert_close(tf.logits, out.logits, atol=0, rtol=0)
     torch.testing.assert_close(tf.confidence_logits, out.confidence_logits, atol=0, rtol=0)
-    top_vals, top_ids = (tf.logits / temp).topk(32, dim=-1)
-    assert torch.equal(top_ids, out.support_ids)
-    torch.testing.assert_close(torch.softmax(top_vals, -1), out.support_probs, atol=1e-6, rtol=0)
+    # the default support covers this drafter's whole vocabulary: every id, in id order
+    assert d.support_size == d.vocab_size
+    assert torch.equal(out.support_ids, torch.arange(d.vocab_size).expand_as(out.support_ids))
+    torch.testing.assert_close(torch.softmax(tf.logits / temp, -1), out.support_probs, atol=1e-6, rtol=0)
 
 
 def test_eagle3_sampled_tokens_are_fed_back(drafter, reference):

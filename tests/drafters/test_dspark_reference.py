@@ -27,7 +27,7 @@ def close(got, want):
 def test_loaded_drafter_kind_and_protocol(name, kind, cls, drafter):
     d = drafter(name)
     assert type(d) is cls and d.kind == kind and isinstance(d, Drafter)
-    assert d.block_size == 4 and d.target_layer_ids == (0, 1, 2) and d.support_size == 32
+    assert d.block_size == 4 and d.target_layer_ids == (0, 1, 2) and d.support_size == min(4096, d.vocab_size)
     assert (d.markov_head is None) == (name == "dflash")
     assert (d.confidence_head is None) == (name == "dflash")
 

@@ -30,12 +30,26 @@ def test_sampling_frequencies_match_truncated_softmax():
 
 def test_mixed_batch_keeps_greedy_rows_greedy():
     logits = torch.tensor([[0.0, 1.0, 0.5], [0.0, 1.0, 0.5]])
-    choice = choose_tokens(logits, torch.tensor([0.0, 1.0]), torch.tensor([0.999, 0.001]), support_size=3)
+    choice = choose_tokens(logits, torch.tensor([0.0, 1.0]), torch.tensor([0.999, 0.001]), support_size=2)
     assert choice.tokens[0] == 1  # greedy despite its (unused) uniform
-    assert choice.tokens[1] == 1  # u = 0.001 picks the most likely support entry
+    assert choice.tokens[1] == 1  # u = 0.001 picks the most likely support entry (top-k: descending order)
+
+
+def test_full_vocabulary_support_is_every_id_in_order_and_samples_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6)
+    n, temp = 60_000, 0.7
+    uniforms = torch.rand(n)
+    choice = choose_tokens(logits.expand(n, -1), torch.full((n,), temp), uniforms, support_size=10)
+    assert torch.equal(choice.support_ids[0], torch.arange(6))  # k >= vocab: no sort
+    expected = torch.softmax(logits[0] / temp, -1)
+    torch.testing.assert_close(choice.support_probs[0], expected)
+    freq = torch.bincount(choice.tokens, minlength=6).float() / n
+    assert ((freq - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt() + 1e-9).all()
 
 
 def test_draw_never_lands_on_a_zero_probability_support_entry():
     logits = torch.tensor([[0.0, -200.0, -300.0]])  # at T = 0.1 the last two entries underflow to q = 0
-    choice = choose_tokens(logits, torch.tensor([0.1]), torch.tensor([1.0 - 1e-7]), support_size=3)
-    assert choice.tokens.tolist() == [0]
+    for k in (2, 3):  # top-k and full-vocabulary paths
+        choice = choose_tokens(logits, torch.tensor([0.1]), torch.tensor([1.0 - 1e-7]), support_size=k)
+        assert choice.tokens.tolist() == [0]
