@@ -1,0 +1,285 @@
+"""`dspark bench`: serving benchmark (issue #4) — aggregate vs per-user tokens/s for each policy and
+concurrency on the embedded engine, the batch-1 speedup over autoregressive decoding, and Hugging Face
+transformers' own assisted generation as a peer at batch 1.
+
+Prompts: `--dataset F.jsonl` (DeepSpec format, first turn, used as given), default the held-out 20% split
+(`dspark_core.training.data.split`, as `dspark eval` uses) of the dev code sets, mbpp and livecodebench,
+taken round-robin; the first `--num-prompts` that fit the context window. The measurement protocol is
+documented in `dspark_core/benchmark.py`.
+
+Causal and async need the target's SPS(B) table (`TARGET/sps.json`, written by `dspark profile`, loaded
+as `dspark generate` does). When it is missing they are skipped with a warning (stderr, and `warnings` in
+the JSON). `--profile-sps` measures a quick table in the benchmark's own process instead (B on a doubling
+grid up to max concurrency x (block + 1), 3 timed repeats each; not saved), so that the policies schedule
+with the cost curve of the very conditions (threads, machine load) they are measured under.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dspark_core.errors import InvalidArgument
+
+from .models import DRAFTER_NAMES, default_target, models_dir, resolve_drafter_path
+
+DEFAULT_DATASETS = ("mbpp.jsonl", "livecodebench.jsonl")
+
+
+def default_datasets() -> list[str]:
+    root = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev"
+    return [str(root / name) for name in DEFAULT_DATASETS]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="throughput / per-user speed benchmark of the policies (and HF peer)",
+                       description="For every concurrency x policy, keep CONCURRENCY requests in flight on the "
+                                   "embedded engine and measure aggregate tokens/s, per-user tokens/s and the "
+                                   "mean verification length; at batch 1, also the speedup over autoregressive "
+                                   "decoding and over Hugging Face assisted generation.")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated (default 1,2,4,8,16,32)")
+    p.add_argument("--policy", default="causal,async,fixed,gamma1,ar",
+                   help="comma-separated among causal, async, fixed, gamma1, threshold, ar "
+                        "(default causal,async,fixed,gamma1,ar; ar = no drafter)")
+    p.add_argument("--dataset", action="append", default=None, metavar="F.jsonl",
+                   help="prompt file ({\"turns\": [...]} per line, first turn, used as given); repeatable. "
+                        "Default: held-out split of the dev code sets (mbpp, livecodebench)")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts in the fixed list (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--repeats", type=int, default=1, help="repeats of every point; medians count (default 1)")
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses its own stream (default 0)")
+    p.add_argument("--target", default=None, help="target model directory (default: bundled)")
+    p.add_argument("--drafter", default="auto", choices=("auto", *DRAFTER_NAMES),
+                   help="shipped drafter (default auto = dspark)")
+    p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
+    p.add_argument("--hf-assistant", default=None,
+                   help="assistant model directory for HF assisted generation (default: models/assistant)")
+    p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
+                   help="prompt_lookup_num_tokens of HF prompt-lookup decoding (default 10)")
+    p.add_argument("--profile-sps", action="store_true",
+                   help="measure a quick SPS table in this process (not saved) instead of reading TARGET/sps.json; "
+                        "without it, causal/async are skipped with a warning when TARGET/sps.json is missing")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", default=None, help="also write the JSON object to this file")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="write the frontier (paper Fig. 7) to OUT.png and per-concurrency bars (Fig. 8) "
+                        "to OUT_by_concurrency.png")
+    p.set_defaults(func=run)
+
+
+def check_args(args):
+    from dspark_core.benchmark import BenchSettings, parse_int_list, parse_policies
+
+    concurrencies = parse_int_list(args.concurrency, "--concurrency")
+    policies = parse_policies(args.policy, "--policy")
+    if args.num_prompts < 1:
+        raise InvalidArgument("--num-prompts", args.num_prompts, "must be >= 1")
+    if args.max_new_tokens < 1:
+        raise InvalidArgument("--max-new-tokens", args.max_new_tokens, "must be >= 1")
+    if not args.temperature >= 0 or args.temperature != args.temperature:
+        raise InvalidArgument("--temperature", args.temperature, "must be >= 0")
+    if args.repeats < 1:
+        raise InvalidArgument("--repeats", args.repeats, "must be >= 1")
+    if args.block_size is not None and not 1 <= args.block_size <= 32:
+        raise InvalidArgument("--block-size", args.block_size, "must be in [1, 32]")
+    if args.hf_prompt_lookup_tokens < 1:
+        raise InvalidArgument("--hf-prompt-lookup-tokens", args.hf_prompt_lookup_tokens, "must be >= 1")
+    if args.drafter != "auto" and args.drafter_path:
+        raise InvalidArgument("--drafter", args.drafter, "give --drafter or --drafter-path, not both")
+    for f in args.dataset or ():
+        if not Path(f).is_file():
+            raise InvalidArgument("--dataset", f, "must be an existing JSONL file")
+    return BenchSettings(policies=tuple(policies), concurrencies=tuple(concurrencies),
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
+                         block_size=args.block_size, seed=args.seed)
+
+
+def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
+    """Token ids of the fixed prompt list, and where it came from."""
+    from dspark_core.text import encode_prompt
+    from dspark_core.training.data import load_prompts, split
+
+    limit = target.max_context - args.max_new_tokens - 1
+    if args.dataset:
+        sets = [load_prompts(f) for f in args.dataset]
+        source = {"datasets": [Path(f).name for f in args.dataset], "split": "none (used as given)"}
+    else:
+        sets = [split(load_prompts(f), 0.2)[1] for f in default_datasets()]
+        source = {"datasets": list(DEFAULT_DATASETS), "split": "eval (20%, hashed), round-robin"}
+    order = [s[i] for i in range(max(map(len, sets), default=0)) for s in sets if i < len(s)]
+    prompts, too_long = [], 0
+    for pr in order:
+        ids = encode_prompt(target.tokenizer, pr.text)
+        if len(ids) > limit:
+            too_long += 1
+            continue
+        prompts.append(ids)
+        if len(prompts) == args.num_prompts:
+            break
+    if not prompts:
+        raise InvalidArgument("--dataset", args.dataset, f"has no prompt that fits the context window ({limit} tokens)")
+    source.update(num_prompts=len(prompts), skipped_too_long=too_long,
+                  prompt_tokens_median=sorted(map(len, prompts))[len(prompts) // 2])
+    return prompts, source
+
+
+def quick_sps(target, max_tokens: int):
+    """A quick SPS(B) table for this run only: B on a doubling grid, 3 timed repeats each."""
+    from dspark_core.cost_model import profile_sps
+    from dspark_core.profiling import VerifyStepBench
+
+    sizes, b = [], 1
+    while b < max_tokens:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_tokens)
+    bench = VerifyStepBench(target, context_length=min(256, target.max_context // 2), block=8)
+    try:
+        return profile_sps(bench, sizes, repeats=3, warmup=1, device=str(target.device), model=target.name)
+    finally:
+        bench.close()
+
+
+def load_hf_peer(args, target_dir: str, warnings: list[str]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dspark_core.benchmark import HFPeer
+    from dspark_core.target import resolve_device
+
+    dev = resolve_device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(dev).eval()
+    asst_dir = args.hf_assistant or str(models_dir() / "assistant")
+    assistant = None
+    if (Path(asst_dir) / "config.json").exists():
+        assistant = AutoModelForCausalLM.from_pretrained(asst_dir, dtype=torch.float32).to(dev).eval()
+    elif args.hf_assistant:
+        raise InvalidArgument("--hf-assistant", args.hf_assistant, "must be a model directory with a config.json")
+    else:
+        warnings.append(f"no assistant model in {asst_dir} (scripts/train_assistant.py makes one)")
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return HFPeer(model=model, assistant=assistant, prompt_lookup_num_tokens=args.hf_prompt_lookup_tokens,
+                  eos_token_ids=tuple(eos), pad_token_id=model.generation_config.pad_token_id), asst_dir
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from dspark_core.benchmark import plan, plot_results, run_benchmark, total_requests
+
+    from .generate import _load_sps, _quiet_transformers
+    from .models import load_stack
+
+    settings = check_args(args)  # validate before loading anything
+    _quiet_transformers()
+    target_dir = args.target or default_target()
+    drafter_path = resolve_drafter_path(args.drafter, args.drafter_path)
+    target, drafter = load_stack(target_dir, drafter_path, args.device, args.dtype)
+    prompts, source = load_prompt_list(args, target)
+    warnings: list[str] = []
+    wants_sps = any(p in ("causal", "async") for p in settings.policies)
+    sps, sps_source = None, None
+    if wants_sps and args.profile_sps:
+        print("dspark bench: profiling a quick SPS table for this run (--profile-sps)", file=sys.stderr)
+        block = (args.block_size or getattr(drafter, "block_size", None) or 7) + 1
+        sps = quick_sps(target, max(settings.concurrencies) * block)
+        sps_source = "quick profile in this process (--profile-sps, not saved)"
+    elif wants_sps:
+        sps = _load_sps(target_dir)
+        sps_source = str(Path(target_dir) / "sps.json") if sps is not None else None
+    hf = None
+    hf_config = None
+    if not args.no_hf:
+        hf, asst_dir = load_hf_peer(args, target_dir, warnings)
+        hf_config = {"assistant": asst_dir if hf.assistant is not None else None,
+                     "prompt_lookup_num_tokens": args.hf_prompt_lookup_tokens, "dtype": "float32",
+                     "assistant_schedule": "transformers default"}
+    policies, hf_modes, plan_warnings = plan(settings, drafter, sps, hf)
+    for w in warnings + plan_warnings:
+        print(f"dspark bench: warning: {w}", file=sys.stderr)
+    bar = tqdm(total=total_requests(settings, len(prompts), policies, hf_modes), desc="bench", unit="req",
+               file=sys.stderr)
+    result = run_benchmark(target, drafter, prompts, settings, sps=sps, hf=hf, on_request_done=lambda: bar.update(1))
+    bar.close()
+    result["warnings"] = warnings + result["warnings"]
+    result["config"] = {
+        "target": target_dir, "drafter": drafter_path, "drafter_kind": getattr(drafter, "kind", None),
+        "drafter_weights_sha256": _fingerprint(Path(drafter_path) / "model.safetensors") if drafter_path else None,
+        "block_size": args.block_size or getattr(drafter, "block_size", None),
+        "concurrency": list(settings.concurrencies), "policies": list(settings.policies),
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
+        "seed": args.seed, "sps": sps_source, "device": str(target.device), "prompts": source,
+        "sps_table": ({"batch_sizes": list(sps.batch_sizes), "steps_per_second": [round(v, 3) for v in sps.steps_per_second]}
+                      if hasattr(sps, "batch_sizes") else None),
+        "hf": hf_config,
+        "protocol": ("closed loop per (policy, concurrency), max(prompts, 2 x concurrency) requests; per-user "
+                     "time runs from add to finish (prefill included, no queueing); batch 1 interleaved per "
+                     "prompt across policies and HF modes; speedups are medians of paired per-prompt ratios"),
+    }
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    if args.plot:
+        plot = Path(args.plot)
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_results(result, plot, plot.with_name(plot.stem + "_by_concurrency" + (plot.suffix or ".png")),
+                     title=f"{Path(target_dir).name} + {Path(drafter_path).name if drafter_path else 'no drafter'}, "
+                           f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, T={args.temperature}")
+    if args.json:
+        print(text)
+    else:
+        print(human_summary(result))
+    return 0
+
+
+def _fingerprint(path: Path) -> str | None:
+    """First 16 hex digits of a file's SHA-256: which checkpoint a result was measured with."""
+    import hashlib
+
+    if not path.is_file():
+        return None
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _fmt(x, spec=".2f", suffix=""):
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def human_summary(r: dict) -> str:
+    lines = [f"{'policy':<8} {'conc':>4} {'agg tok/s':>10} {'user tok/s':>10} {'verify len':>10} {'tau':>6} "
+             f"{'match ar':>8}"]
+    for x in r["results"]:
+        match = {True: "yes", False: "NO", None: "-"}[x.get("outputs_match_ar")]
+        lines.append(f"{x['policy']:<8} {x['concurrency']:>4} {x['aggregate_tokens_per_s']:>10.1f} "
+                     f"{x['per_user_tokens_per_s']:>10.1f} {x['mean_verify_len']:>10.2f} {_fmt(x.get('tau')):>6} "
+                     f"{match:>8}")
+    lines.append("")
+    lines.append(f"batch-1 speedup over autoregressive ({r.get('batch1_policy')}): "
+                 f"{_fmt(r.get('speedup_vs_ar_batch1'), '.2f', 'x')}")
+    if r.get("hf"):
+        lines.append("Hugging Face at batch 1 (tokens/s): "
+                     + ", ".join(f"{m} {v:.1f}" for m, v in r["hf"].items()))
+        lines.append(f"batch-1 speedup over HF assisted ({r.get('hf_assisted_mode_compared')}): "
+                     f"{_fmt(r.get('speedup_vs_hf_assisted_batch1'), '.2f', 'x')}")
+    cv = r.get("causal_vs_best_static") or {}
+    if any(v is not None for v in cv.values()):
+        lines.append("causal / best static aggregate: " + ", ".join(f"c={c} {_fmt(v)}" for c, v in cv.items()))
+    mt = r.get("per_user_speedup_vs_gamma1_at_matched_throughput") or {}
+    if mt:
+        lines.append("causal per-user speed / gamma1's at matched throughput: "
+                     + ", ".join(f"c={c} {_fmt(v)}" for c, v in mt.items()))
+    for w in r.get("warnings", []):
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)

@@ -1,0 +1,480 @@
+"""The serving benchmark behind `dspark bench` (issue #4): throughput vs per-user speed, per policy.
+
+What it measures, for every (policy, concurrency) point, on one embedded `Engine` per point:
+
+- closed loop: `concurrency` requests are in flight (`EngineConfig(max_active=concurrency)`); when one
+  finishes, the next prompt of the fixed list joins at the very next step. A point serves
+  `max(len(prompts), 2 * concurrency)` requests (the list is cycled), so every concurrency refills at
+  least once. Nothing ever waits in the engine's queue: a request is added only when a slot is free.
+- `aggregate_tokens_per_s`: all output tokens of the point / its wall time (first add to last finish).
+- `per_user_tokens_per_s`: median over requests of output tokens / (finish - add). The interval starts
+  when the request is added, so it includes the prefill (time to first token) and no queueing (there is
+  none, see above).
+- `mean_verify_len`: mean over requests of the mean number of draft tokens the policy admitted per step
+  (`RequestState.proposed_per_round`); 0 for autoregressive decoding.
+- `tau`: committed tokens per target pass, (sum accepted + rounds) / rounds over all requests.
+
+Batch 1 is measured differently, for a fair paired comparison on a noisy machine: each prompt runs under
+every policy (and every Hugging Face mode) back to back, in an order that rotates from prompt to prompt,
+`repeats` times. The concurrency-1 points are those runs (one request at a time is the closed loop at
+concurrency 1; aggregate = tokens / the sum of that policy's request times). Speedups are the median over
+(prompt, repeat) pairs of the paired ratio of tokens/s, e.g. `speedup_vs_ar_batch1` = median of
+tokens/s(fixed) / tokens/s(ar) on the same prompt in the same round.
+
+Hugging Face peer (batch 1, same target weights in fp32 via `AutoModelForCausalLM`): plain greedy
+`model.generate`, assisted generation with a small assistant model (`assistant_model=`, transformers'
+default assistant schedule) and prompt-lookup decoding (`prompt_lookup_num_tokens=K`). Greedy only.
+
+Everything here is a library: no argument parsing, no printing. Progress goes through a callback.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .errors import InvalidArgument
+
+POLICIES = ("causal", "async", "fixed", "gamma1", "threshold", "ar")
+SPS_POLICIES = ("causal", "async")
+CONFIDENCE_POLICIES = ("causal", "async", "threshold")
+HF_MODES = ("greedy", "assisted", "prompt_lookup")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    policies: tuple[str, ...]
+    concurrencies: tuple[int, ...]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 1
+    block_size: int | None = None
+    seed: int = 0
+    # headline speculative policy for the batch-1 speedups (falls back to the best measured one)
+    headline_policy: str = "fixed"
+
+    def __post_init__(self):
+        if not self.policies:
+            raise InvalidArgument("policies", self.policies, "must name at least one policy")
+        for p in self.policies:
+            if p not in POLICIES:
+                raise InvalidArgument("policy", p, f"must be one of {', '.join(POLICIES)}")
+        if not self.concurrencies or any(c < 1 for c in self.concurrencies):
+            raise InvalidArgument("concurrencies", self.concurrencies, "must be integers >= 1")
+        if self.repeats < 1:
+            raise InvalidArgument("repeats", self.repeats, "must be >= 1")
+        if self.max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens", self.max_new_tokens, "must be >= 1")
+
+
+@dataclass
+class RequestRecord:
+    prompt_index: int
+    tokens: int
+    seconds: float
+    mean_proposed: float
+    rounds: int
+    accepted: int
+    output_ids: list[int] = field(repr=False, default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+@dataclass
+class HFPeer:
+    """Hugging Face models for the batch-1 peer: the target, optionally an assistant."""
+
+    model: object
+    assistant: object | None = None
+    prompt_lookup_num_tokens: int = 10
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+
+def parse_int_list(text: str, flag: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]; positive, distinct integers, in the given order."""
+    try:
+        vals = [int(x) for x in str(text).replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise InvalidArgument(flag, text, "must be comma-separated integers >= 1") from None
+    if not vals or any(v < 1 for v in vals) or len(set(vals)) != len(vals):
+        raise InvalidArgument(flag, text, "must be comma-separated distinct integers >= 1")
+    return vals
+
+
+def parse_policies(text: str, flag: str = "--policy") -> list[str]:
+    names = [x for x in str(text).replace(" ", "").split(",") if x != ""]
+    bad = [n for n in names if n not in POLICIES]
+    if not names or bad or len(set(names)) != len(names):
+        raise InvalidArgument(flag, text, f"must be comma-separated distinct names among {', '.join(POLICIES)}")
+    return names
+
+
+def default_sampling(settings: BenchSettings, stop_token_ids, index: int):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=settings.temperature, seed=settings.seed * 1_000_003 + index,
+                          max_new_tokens=settings.max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+
+
+def _record(req, prompt_index: int, t_add: float, t_done: float) -> RequestRecord:
+    proposed = list(req.proposed_per_round)
+    return RequestRecord(prompt_index=prompt_index, tokens=len(req.output_ids), seconds=t_done - t_add,
+                         mean_proposed=(sum(proposed) / len(proposed)) if proposed else 0.0,
+                         rounds=len(req.accepted_per_round), accepted=sum(req.accepted_per_round),
+                         output_ids=list(req.output_ids))
+
+
+def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchSettings, sps):
+    from .engine import Engine, EngineConfig
+
+    if policy == "ar":
+        drafter = None
+    return Engine(target, drafter, EngineConfig(policy=policy, block_size=settings.block_size,
+                                                max_active=concurrency, max_waiting=max(1024, concurrency)),
+                  sps=sps if policy in SPS_POLICIES else None)
+
+
+def closed_loop(engine, prompts: Sequence[Sequence[int]], num_requests: int, concurrency: int,
+                params_for: Callable[[int], object], on_done: Callable[[], None] | None = None
+                ) -> tuple[list[RequestRecord], float]:
+    """Serve `num_requests` requests (prompt k % len(prompts)) with `concurrency` in flight; returns the
+    per-request records (in request order) and the wall time from the first add to the last finish."""
+    inflight: dict[str, tuple[int, int, float]] = {}
+    records: dict[int, RequestRecord] = {}
+    nxt = 0
+
+    def add():
+        nonlocal nxt
+        i = nxt % len(prompts)
+        rid = engine.add_request(list(prompts[i]), params_for(i))
+        inflight[rid] = (nxt, i, time.perf_counter())
+        nxt += 1
+
+    t0 = time.perf_counter()
+    while nxt < min(concurrency, num_requests):
+        add()
+    while inflight:
+        events = engine.step()
+        t = time.perf_counter()
+        for ev in events:
+            if ev.finished and ev.request_id in inflight:
+                k, i, t_add = inflight.pop(ev.request_id)
+                records[k] = _record(engine.pop(ev.request_id), i, t_add, t)
+                if on_done:
+                    on_done()
+                if nxt < num_requests:
+                    add()
+    wall = time.perf_counter() - t0
+    return [records[k] for k in sorted(records)], wall
+
+
+def summarize_point(policy: str, concurrency: int, walls: list[float], runs: list[list[RequestRecord]],
+                    batch1: bool = False) -> dict:
+    recs = [r for run in runs for r in run]
+    tokens = [sum(r.tokens for r in run) for run in runs]
+    agg = statistics.median(t / max(w, 1e-9) for t, w in zip(tokens, walls))
+    rounds = sum(r.rounds for r in recs)
+    return {
+        "policy": policy, "concurrency": concurrency,
+        "aggregate_tokens_per_s": round(agg, 3),
+        "per_user_tokens_per_s": round(statistics.median(r.tokens_per_s for r in recs), 3),
+        "mean_verify_len": round(statistics.fmean(r.mean_proposed for r in recs), 4),
+        "tau": round((sum(r.accepted for r in recs) + rounds) / rounds, 4) if rounds else None,
+        "requests": len(recs) // len(runs), "repeats": len(runs), "tokens": sum(tokens) // len(runs),
+        "wall_s": round(statistics.median(walls), 3),
+        "measured": "interleaved per prompt (batch 1)" if batch1 else "closed loop",
+    }
+
+
+def hf_generate(peer: HFPeer, mode: str, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """One greedy `model.generate` call of the given mode; returns (new token ids, seconds)."""
+    import torch
+
+    model = peer.model
+    dev = next(model.parameters()).device
+    x = torch.tensor([list(prompt_ids)], device=dev)
+    kwargs = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                  eos_token_id=list(peer.eos_token_ids) or None, pad_token_id=peer.pad_token_id)
+    if mode == "assisted":
+        kwargs["assistant_model"] = peer.assistant
+    elif mode == "prompt_lookup":
+        kwargs["prompt_lookup_num_tokens"] = peer.prompt_lookup_num_tokens
+    elif mode != "greedy":
+        raise InvalidArgument("mode", mode, f"must be one of {', '.join(HF_MODES)}")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(x, **kwargs)
+    dt = time.perf_counter() - t0
+    return out[0, x.shape[1]:].tolist(), dt
+
+
+def total_requests(settings: BenchSettings, num_prompts: int, policies: Sequence[str], hf_modes: Sequence[str]) -> int:
+    """How many requests a run serves (for a progress bar)."""
+    n = 0
+    for c in settings.concurrencies:
+        if c == 1:
+            n += num_prompts * (len(policies) + len(hf_modes))
+        else:
+            n += max(num_prompts, 2 * c) * len(policies)
+    return n * settings.repeats
+
+
+def plan(settings: BenchSettings, drafter, sps, hf: "HFPeer | None") -> tuple[list[str], list[str], list[str]]:
+    """(policies that can run, Hugging Face modes that will run, warnings about what is skipped and why)."""
+    warnings: list[str] = []
+    policies = []
+    for p in settings.policies:
+        if p != "ar" and drafter is None:
+            warnings.append(f"policy {p} skipped: no drafter")
+        elif p in SPS_POLICIES and sps is None:
+            warnings.append(f"policy {p} skipped: the target has no SPS cost table (run `dspark profile`)")
+        elif p in CONFIDENCE_POLICIES and not getattr(drafter, "has_confidence", False):
+            warnings.append(f"policy {p} skipped: the drafter has no confidence head")
+        else:
+            policies.append(p)
+    hf_modes: list[str] = []
+    if hf is not None:
+        if 1 not in settings.concurrencies:
+            warnings.append("Hugging Face peer skipped: it runs at concurrency 1, which is not measured")
+        elif settings.temperature != 0:
+            warnings.append("Hugging Face peer skipped: it is measured greedy only (--temperature 0)")
+        else:
+            hf_modes = ["greedy", "prompt_lookup"]
+            if hf.assistant is not None:
+                hf_modes.insert(1, "assisted")
+            else:
+                warnings.append("Hugging Face assisted generation skipped: no assistant model")
+    return policies, hf_modes, warnings
+
+
+def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: BenchSettings, sps=None,
+                  hf: HFPeer | None = None, on_request_done: Callable[[], None] | None = None,
+                  keep_outputs: bool = False) -> dict:
+    """Run every (policy, concurrency) point (and the HF peer at batch 1) and return the result object.
+
+    `prompts` are token ids. `sps` is the target's SPS(B) callable (None: causal and async are skipped,
+    with a warning in `warnings`). `hf` adds the Hugging Face peer at batch 1 (needs 1 in concurrencies).
+    With `keep_outputs`, each point carries `outputs` (token ids of the first repeat, by prompt index).
+    """
+    if not prompts:
+        raise InvalidArgument("prompts", prompts, "must hold at least one prompt")
+    policies, hf_modes, warnings = plan(settings, drafter, sps, hf)
+    stop = tuple(getattr(target, "eos_token_ids", ()) or ())
+
+    def params_for(i):
+        return default_sampling(settings, stop, i)
+
+    points: dict[tuple[str, int], dict] = {}
+    outputs: dict[tuple[str, int], dict[int, list[int]]] = {}
+    batch1: dict[str, list[tuple[int, int, RequestRecord]]] = {}  # name -> [(repeat, prompt index, record)]
+    hf_out: dict[str, dict[int, list[int]]] = {}
+
+    # -- batch 1: every prompt under every policy and HF mode, back to back, rotating the order
+    if 1 in settings.concurrencies:
+        engines = {p: make_engine(target, drafter, p, 1, settings, sps) for p in policies}
+        names = [*policies, *[f"hf_{m}" for m in hf_modes]]
+        for rep in range(settings.repeats):
+            for i, prompt in enumerate(prompts):
+                k = (rep * len(prompts) + i) % len(names)
+                for name in names[k:] + names[:k]:
+                    if name.startswith("hf_"):
+                        ids, dt = hf_generate(hf, name[3:], prompt, settings.max_new_tokens)
+                        rec = RequestRecord(i, len(ids), dt, 0.0, 0, 0, ids)
+                    else:
+                        recs, _ = closed_loop(engines[name], [prompt], 1, 1, lambda _j, i=i: params_for(i))
+                        rec = recs[0]
+                        rec.prompt_index = i
+                    batch1.setdefault(name, []).append((rep, i, rec))
+                    if on_request_done:
+                        on_request_done()
+        for p in policies:
+            runs = [[r for rp, _, r in batch1[p] if rp == rep] for rep in range(settings.repeats)]
+            walls = [sum(r.seconds for r in run) for run in runs]
+            points[(p, 1)] = summarize_point(p, 1, walls, runs, batch1=True)
+            outputs[(p, 1)] = {r.prompt_index: r.output_ids for r in runs[0]}
+        for m in hf_modes:
+            hf_out[m] = {i: r.output_ids for rp, i, r in batch1[f"hf_{m}"] if rp == 0}
+
+    # -- concurrency > 1: closed loops, policies interleaved within each repeat
+    for rep in range(settings.repeats):
+        for c in settings.concurrencies:
+            if c == 1:
+                continue
+            n = max(len(prompts), 2 * c)
+            order = policies[rep % len(policies):] + policies[:rep % len(policies)] if policies else []
+            for p in order:
+                engine = make_engine(target, drafter, p, c, settings, sps)
+                recs, wall = closed_loop(engine, prompts, n, c, params_for, on_request_done)
+                points.setdefault((p, c), {"runs": [], "walls": []})
+                points[(p, c)]["runs"].append(recs)
+                points[(p, c)]["walls"].append(wall)
+                if rep == 0:
+                    outputs[(p, c)] = {}
+                    for r in recs:
+                        outputs[(p, c)].setdefault(r.prompt_index, r.output_ids)
+    for (p, c), v in list(points.items()):
+        if c != 1:
+            points[(p, c)] = summarize_point(p, c, v["walls"], v["runs"])
+
+    results = []
+    for c in settings.concurrencies:
+        for p in policies:
+            pt = points[(p, c)]
+            if settings.temperature == 0 and ("ar", c) in outputs:
+                ref = outputs[("ar", c)]
+                pt["outputs_match_ar"] = all(ref.get(i) == ids for i, ids in outputs[(p, c)].items())
+            else:
+                pt["outputs_match_ar"] = None
+            if keep_outputs:
+                pt["outputs"] = {i: outputs[(p, c)][i] for i in sorted(outputs[(p, c)])}
+            results.append(pt)
+
+    out: dict = {"results": results}
+    out.update(batch1_speedups(batch1, policies, hf_modes, settings.headline_policy))
+    if hf_modes:
+        out["hf"] = {m: round(_rate([r for _, _, r in batch1[f"hf_{m}"]]), 3) for m in hf_modes}
+        out["hf_per_request_median"] = {m: round(statistics.median(r.tokens_per_s for _, _, r in batch1[f"hf_{m}"]), 3)
+                                        for m in hf_modes}
+        ref = outputs.get(("ar", 1))
+        out["hf_outputs_match_ar"] = ({m: all(ref.get(i) == ids for i, ids in hf_out[m].items()) for m in hf_modes}
+                                      if ref is not None else None)
+        if keep_outputs:
+            out["hf_outputs"] = {m: {i: hf_out[m][i] for i in sorted(hf_out[m])} for m in hf_modes}
+    else:
+        out["hf"] = None
+    out["causal_vs_best_static"] = causal_vs_best_static(results, settings.concurrencies)
+    out["per_user_speedup_vs_gamma1_at_matched_throughput"] = matched_throughput_speedup(results)
+    out["policies_run"] = policies
+    out["warnings"] = warnings
+    return out
+
+
+def _rate(recs: Sequence[RequestRecord]) -> float:
+    return sum(r.tokens for r in recs) / max(sum(r.seconds for r in recs), 1e-9)
+
+
+def batch1_speedups(batch1: dict, policies: Sequence[str], hf_modes: Sequence[str], headline: str) -> dict:
+    """Paired batch-1 ratios: median over (repeat, prompt) of tokens/s(a) / tokens/s(b), run back to back."""
+    def paired(a: str, b: str) -> float | None:
+        if a not in batch1 or b not in batch1:
+            return None
+        bk = {(rep, i): r for rep, i, r in batch1[b]}
+        ratios = [r.tokens_per_s / bk[(rep, i)].tokens_per_s for rep, i, r in batch1[a] if (rep, i) in bk]
+        return round(statistics.median(ratios), 4) if ratios else None
+
+    spec = [p for p in policies if p != "ar"]
+    out: dict = {"batch1_policy": None, "speedup_vs_ar_batch1": None, "speedup_vs_hf_assisted_batch1": None,
+                 "speedup_vs_ar_batch1_by_policy": {p: paired(p, "ar") for p in spec} if "ar" in batch1 else {},
+                 "hf_assisted_mode_compared": None, "hf_greedy_vs_ar_batch1": paired("hf_greedy", "ar")}
+    if not spec or not batch1:
+        return out
+    med = {p: statistics.median(r.tokens_per_s for _, _, r in batch1[p]) for p in spec}
+    pick = headline if headline in spec else max(spec, key=med.get)
+    out["batch1_policy"] = pick
+    out["speedup_vs_ar_batch1"] = paired(pick, "ar")
+    assisted = [m for m in hf_modes if m != "greedy"]
+    if assisted:
+        hf_med = {m: statistics.median(r.tokens_per_s for _, _, r in batch1[f"hf_{m}"]) for m in assisted}
+        best = max(assisted, key=hf_med.get)
+        out["hf_assisted_mode_compared"] = best
+        out["speedup_vs_hf_assisted_batch1"] = paired(pick, f"hf_{best}")
+        out["speedup_vs_hf_greedy_batch1"] = paired(pick, "hf_greedy")
+    return out
+
+
+def causal_vs_best_static(results: list[dict], concurrencies: Sequence[int]) -> dict[str, float | None]:
+    """Per concurrency: causal aggregate tokens/s / max(fixed, gamma1) aggregate tokens/s."""
+    by = {(r["policy"], r["concurrency"]): r["aggregate_tokens_per_s"] for r in results}
+    out: dict[str, float | None] = {}
+    for c in concurrencies:
+        static = [by[(p, c)] for p in ("fixed", "gamma1") if (p, c) in by]
+        out[str(c)] = round(by[("causal", c)] / max(static), 4) if ("causal", c) in by and static else None
+    return out
+
+
+def interpolate_curve(points: Sequence[tuple[float, float]], x: float) -> float | None:
+    """y at x along a polyline given in order (by concurrency), linear within each segment. A curve that is
+    not monotone in x (noise, or a throughput peak) can cross x more than once: the largest y wins, i.e. the
+    best the reference achieves at that x (its upper envelope). None when x is outside every segment."""
+    ys = [y for (px, y) in points if px == x]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if min(x0, x1) <= x <= max(x0, x1) and x1 != x0:
+            ys.append(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    return max(ys) if ys else None
+
+
+def matched_throughput_speedup(results: list[dict]) -> dict[str, float | None]:
+    """For each causal point: its per-user tokens/s / gamma1's per-user tokens/s interpolated at the same
+    aggregate throughput along gamma1's concurrency curve (None when out of gamma1's range; where gamma1's
+    curve reaches that throughput more than once, its best per-user speed there counts)."""
+    g1 = sorted((r["concurrency"], r["aggregate_tokens_per_s"], r["per_user_tokens_per_s"])
+                for r in results if r["policy"] == "gamma1")
+    curve = [(a, u) for _, a, u in g1]
+    out: dict[str, float | None] = {}
+    for r in results:
+        if r["policy"] != "causal":
+            continue
+        ref = interpolate_curve(curve, r["aggregate_tokens_per_s"]) if curve else None
+        out[str(r["concurrency"])] = round(r["per_user_tokens_per_s"] / ref, 4) if ref else None
+    return out
+
+
+# ---- plots ------------------------------------------------------------------------------------------
+
+def plot_results(result: dict, frontier_path, by_concurrency_path, title: str = "") -> None:
+    """Paper Fig. 7 (aggregate vs per-user tokens/s, one line per policy, points labelled by concurrency)
+    and Fig. 8 (per concurrency: aggregate, per-user tokens/s and mean verify length, bars per policy)."""
+    import os
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    res = result["results"]
+    policies = list(dict.fromkeys(r["policy"] for r in res))
+    concs = sorted({r["concurrency"] for r in res})
+    by = {(r["policy"], r["concurrency"]): r for r in res}
+
+    fig = Figure(figsize=(7, 5.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for k, p in enumerate(policies):
+        pts = [by[(p, c)] for c in concs if (p, c) in by]
+        xs = [r["per_user_tokens_per_s"] for r in pts]
+        ys = [r["aggregate_tokens_per_s"] for r in pts]
+        ax.plot(xs, ys, "o-", color=f"C{k}", label=p)
+        for r, x, y in zip(pts, xs, ys):
+            ax.annotate(str(r["concurrency"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                        color=f"C{k}")
+    ax.set_xlabel("per-user tokens/s (median over requests)")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("Throughput vs per-user speed (labels: concurrency)" + (f"\n{title}" if title else ""), fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(os.fspath(frontier_path), format="png", dpi=110)
+
+    fig = Figure(figsize=(15, 4.5))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    width = 0.8 / max(len(policies), 1)
+    for ax, key, label in zip(axes, ("aggregate_tokens_per_s", "per_user_tokens_per_s", "mean_verify_len"),
+                              ("aggregate tokens/s", "per-user tokens/s", "mean verify length (draft tokens/step)")):
+        for k, p in enumerate(policies):
+            xs = [j + (k - (len(policies) - 1) / 2) * width for j, c in enumerate(concs) if (p, c) in by]
+            ys = [by[(p, c)][key] for c in concs if (p, c) in by]
+            ax.bar(xs, ys, width=width, color=f"C{k}", label=p)
+        ax.set_xticks(range(len(concs)))
+        ax.set_xticklabels([str(c) for c in concs])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.fspath(by_concurrency_path), format="png", dpi=110)

@@ -1,0 +1,103 @@
+"""`dspark bench`: the JSON contract, plots, the HF peer, skipped policies, and one-line exit-2 errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dspark_cli.main import main
+
+from conftest import build_tiny_model
+
+POINT_KEYS = ("policy", "concurrency", "aggregate_tokens_per_s", "per_user_tokens_per_s", "mean_verify_len")
+TOP_KEYS = ("results", "speedup_vs_ar_batch1", "speedup_vs_hf_assisted_batch1", "hf", "causal_vs_best_static",
+            "per_user_speedup_vs_gamma1_at_matched_throughput")
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_target_dir, tmp_path_factory):
+    """A random DSpark drafter (with a confidence head) and a tiny assistant for the tiny target."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dspark_core.drafters import DrafterConfig, build_drafter, save_drafter
+
+    root = tmp_path_factory.mktemp("bench")
+    vocab = AutoConfig.from_pretrained(tiny_target_dir).vocab_size
+    mask = AutoTokenizer.from_pretrained(tiny_target_dir).convert_tokens_to_ids("<|mask|>")
+    torch.manual_seed(0)
+    config = DrafterConfig(architecture="Qwen3DSparkModel", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
+                           target_layer_ids=(0, 2), num_target_layers=4, block_size=3, mask_token_id=mask,
+                           markov_rank=8, enable_confidence_head=True, max_position_embeddings=128)
+    save_drafter(build_drafter(config), root / "drafter")
+    build_tiny_model(root / "assistant", layers=1, seed=5)
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"turns": [f"What is {i} + {i}?"]}) + "\n" for i in range(5)))
+    return {"target": str(tiny_target_dir), "drafter": str(root / "drafter"), "assistant": str(root / "assistant"),
+            "data": str(data), "root": root}
+
+
+def test_json_contract_plots_and_hf_peer(tiny_stack, capsys):
+    s = tiny_stack
+    plot = s["root"] / "plots" / "pareto.png"
+    rc = main(["bench", "--target", s["target"], "--drafter-path", s["drafter"], "--dataset", s["data"],
+               "--hf-assistant", s["assistant"], "--concurrency", "1,2", "--policy", "causal,fixed,gamma1,ar",
+               "--num-prompts", "3", "--max-new-tokens", "6", "--json", "--plot", str(plot)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)  # exactly one JSON object on stdout
+    for key in TOP_KEYS:
+        assert key in r
+    # the tiny target has no sps.json: causal is skipped, and said so
+    assert "causal" in captured.err and any("causal" in w for w in r["warnings"])
+    assert {(x["policy"], x["concurrency"]) for x in r["results"]} == {
+        (p, c) for p in ("fixed", "gamma1", "ar") for c in (1, 2)}
+    for x in r["results"]:
+        assert all(k in x for k in POINT_KEYS)
+        assert x["outputs_match_ar"] is True  # greedy: every policy writes the autoregressive output
+    assert set(r["hf"]) == {"greedy", "assisted", "prompt_lookup"}
+    assert r["speedup_vs_ar_batch1"] > 0 and r["speedup_vs_hf_assisted_batch1"] > 0
+    assert r["hf_outputs_match_ar"] == {"greedy": True, "assisted": True, "prompt_lookup": True}
+    assert r["config"]["prompts"]["num_prompts"] == 3
+    assert plot.stat().st_size > 0 and (plot.parent / "pareto_by_concurrency.png").stat().st_size > 0
+
+
+def test_profile_sps_runs_causal_and_async_and_text_output(tiny_stack, capsys):
+    s = tiny_stack
+    rc = main(["bench", "--target", s["target"], "--drafter-path", s["drafter"], "--dataset", s["data"],
+               "--no-hf", "--profile-sps", "--concurrency", "2", "--policy", "causal,async,fixed,gamma1",
+               "--num-prompts", "2", "--max-new-tokens", "5"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "causal" in out and "async" in out and "batch-1 speedup" in out
+    assert "causal / best static aggregate: c=2" in out
+    assert "warning" not in out  # the quick table is used; nothing skipped
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--concurrency", "0"], "--concurrency"),
+    (["--concurrency", "1,x"], "--concurrency"),
+    (["--concurrency", ""], "--concurrency"),
+    (["--policy", "turbo"], "--policy"),
+    (["--policy", "fixed,causal,fixed"], "--policy"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--repeats", "0"], "--repeats"),
+    (["--dataset", "/nonexistent.jsonl"], "--dataset"),
+])
+def test_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
+    rc = main(["bench", "--target", str(tiny_target_dir), *args])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and err[0].startswith("dspark bench: error:")
+
+
+def test_bad_policy_exits_2_from_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "dspark_cli.main", "bench", "--policy", "fast,ar"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--policy" in lines[0] and "'fast,ar'" in lines[0] and "Traceback" not in proc.stderr

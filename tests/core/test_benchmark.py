@@ -1,0 +1,159 @@
+"""dspark_core.benchmark: every (policy, concurrency) point, token counts equal to what the engine produced,
+greedy outputs of every policy identical to autoregressive decoding, the HF peer, and the derived ratios."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_core.benchmark import (BenchSettings, HFPeer, causal_vs_best_static, interpolate_curve,
+                                   matched_throughput_speedup, parse_int_list, parse_policies, run_benchmark,
+                                   total_requests)
+from dspark_core.engine import Engine, EngineConfig
+from dspark_core.errors import InvalidArgument
+from dspark_core.sampling import SamplingParams
+from dspark_core.target import TargetConfig, TargetRuntime
+
+from conftest import build_tiny_model
+from drafter_doubles import OracleDrafter
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [[5, 9, 12, 30, 41], [7, 7, 8], [100, 3, 19, 22, 23, 24, 60, 61, 90]]
+POLICIES = ("causal", "async", "fixed", "gamma1", "ar")
+CONCURRENCIES = (1, 3)
+
+
+def fake_sps(b: int) -> float:
+    return 100.0 / (1.0 + 0.05 * b)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_target_dir):
+    return OracleDrafter(tiny_target_dir, block_size=3, corrupt=0.3)
+
+
+@pytest.fixture(scope="module")
+def result(target, drafter):
+    settings = BenchSettings(policies=POLICIES, concurrencies=CONCURRENCIES, max_new_tokens=8)
+    done = []
+    out = run_benchmark(target, drafter, PROMPTS, settings, sps=fake_sps, keep_outputs=True,
+                        on_request_done=lambda: done.append(1))
+    out["_done"] = len(done)
+    return out
+
+
+def test_every_point_is_present_with_the_contract_keys(result):
+    pts = {(r["policy"], r["concurrency"]) for r in result["results"]}
+    assert pts == {(p, c) for p in POLICIES for c in CONCURRENCIES}
+    for r in result["results"]:
+        for key in ("policy", "concurrency", "aggregate_tokens_per_s", "per_user_tokens_per_s", "mean_verify_len"):
+            assert key in r
+        assert r["aggregate_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
+    for key in ("speedup_vs_ar_batch1", "speedup_vs_hf_assisted_batch1", "hf", "causal_vs_best_static",
+                "per_user_speedup_vs_gamma1_at_matched_throughput"):
+        assert key in result
+    assert result["batch1_policy"] == "fixed" and result["speedup_vs_ar_batch1"] > 0
+    assert result["hf"] is None and result["speedup_vs_hf_assisted_batch1"] is None
+    assert set(result["causal_vs_best_static"]) == {"1", "3"}
+
+
+def test_progress_counts_every_request(result):
+    settings = BenchSettings(policies=POLICIES, concurrencies=CONCURRENCIES, max_new_tokens=8)
+    assert result["_done"] == total_requests(settings, len(PROMPTS), POLICIES, [])
+    # closed loop: max(prompts, 2 x concurrency) requests per point, one per prompt at batch 1
+    by = {(r["policy"], r["concurrency"]): r for r in result["results"]}
+    assert by[("fixed", 1)]["requests"] == 3 and by[("fixed", 3)]["requests"] == 6
+
+
+def test_token_counts_and_greedy_outputs_equal_the_engines_autoregressive_ones(result, target):
+    engine = Engine(target, None, EngineConfig(policy="ar"))
+    expected = []
+    for p in PROMPTS:
+        req = engine.generate(p, SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=target.eos_token_ids))
+        expected.append(req.output_ids)
+    for r in result["results"]:
+        outs = r["outputs"]
+        assert [outs[i] for i in range(len(PROMPTS))] == expected, (r["policy"], r["concurrency"])
+        assert r["outputs_match_ar"] is True
+        # tokens: every request of the point, prompts cycled
+        n = r["requests"]
+        assert r["tokens"] == sum(len(expected[k % len(PROMPTS)]) for k in range(n))
+
+
+def test_verify_lengths_follow_the_policy(result):
+    for r in result["results"]:
+        if r["policy"] == "ar":
+            assert r["mean_verify_len"] == 0 and r["tau"] == 1.0
+        elif r["policy"] == "gamma1":
+            assert 0 < r["mean_verify_len"] <= 1
+        elif r["policy"] == "fixed":
+            assert r["mean_verify_len"] == pytest.approx(3, abs=1.0)  # the last rounds may be cut by the window
+        assert 0 <= r["mean_verify_len"] <= 3
+
+
+def test_sps_policies_are_skipped_with_a_warning_without_a_table(target, drafter):
+    settings = BenchSettings(policies=("causal", "fixed", "ar"), concurrencies=(2,), max_new_tokens=4)
+    out = run_benchmark(target, drafter, PROMPTS[:2], settings, sps=None)
+    assert {r["policy"] for r in out["results"]} == {"fixed", "ar"}
+    assert any("causal" in w and "SPS" in w for w in out["warnings"])
+    assert out["causal_vs_best_static"] == {"2": None}
+
+
+def test_hf_peer_runs_on_a_tiny_target_with_a_tiny_assistant(tiny_target_dir, tmp_path, target, drafter):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    asst_dir = build_tiny_model(tmp_path / "assistant", layers=1, seed=3)
+    assistant = AutoModelForCausalLM.from_pretrained(asst_dir, dtype=torch.float32).eval()
+    peer = HFPeer(model=model, assistant=assistant, prompt_lookup_num_tokens=3,
+                  eos_token_ids=target.eos_token_ids, pad_token_id=model.config.pad_token_id)
+    settings = BenchSettings(policies=("fixed", "ar"), concurrencies=(1,), max_new_tokens=8)
+    out = run_benchmark(target, drafter, PROMPTS, settings, hf=peer, keep_outputs=True)
+    assert set(out["hf"]) == {"greedy", "assisted", "prompt_lookup"} and all(v > 0 for v in out["hf"].values())
+    assert out["hf_assisted_mode_compared"] in ("assisted", "prompt_lookup")
+    assert out["speedup_vs_hf_assisted_batch1"] > 0
+    # HF's own greedy decoding (plain, assisted or prompt lookup) writes what our engine writes
+    assert out["hf_outputs_match_ar"] == {"greedy": True, "assisted": True, "prompt_lookup": True}
+
+
+def test_interpolation_along_gamma1_curve():
+    results = [
+        {"policy": "gamma1", "concurrency": 1, "aggregate_tokens_per_s": 10.0, "per_user_tokens_per_s": 10.0},
+        {"policy": "gamma1", "concurrency": 2, "aggregate_tokens_per_s": 18.0, "per_user_tokens_per_s": 9.0},
+        {"policy": "gamma1", "concurrency": 4, "aggregate_tokens_per_s": 30.0, "per_user_tokens_per_s": 7.5},
+        {"policy": "fixed", "concurrency": 1, "aggregate_tokens_per_s": 12.0, "per_user_tokens_per_s": 12.0},
+        {"policy": "causal", "concurrency": 1, "aggregate_tokens_per_s": 14.0, "per_user_tokens_per_s": 14.0},
+        {"policy": "causal", "concurrency": 2, "aggregate_tokens_per_s": 24.0, "per_user_tokens_per_s": 12.0},
+        {"policy": "causal", "concurrency": 4, "aggregate_tokens_per_s": 40.0, "per_user_tokens_per_s": 10.0},
+    ]
+    out = matched_throughput_speedup(results)
+    assert out["1"] == pytest.approx(14.0 / 9.5, abs=1e-3)      # 14 is halfway between gamma1's 10 and 18
+    assert out["2"] == pytest.approx(12.0 / 8.25, abs=1e-3)      # 24 is halfway between 18 and 30
+    assert out["4"] is None                             # 40 is past gamma1's highest throughput
+    ratios = causal_vs_best_static(results, (1, 2, 4))
+    assert ratios["1"] == pytest.approx(14.0 / 12.0, abs=1e-3) and ratios["2"] == pytest.approx(24.0 / 18.0, abs=1e-3)
+    assert interpolate_curve([(1.0, 2.0)], 1.0) == 2.0 and interpolate_curve([], 1.0) is None
+    # a curve that comes back (throughput peaks, then falls): the best per-user speed at that throughput
+    assert interpolate_curve([(10.0, 10.0), (30.0, 6.0), (20.0, 2.0)], 25.0) == pytest.approx(7.0)
+    assert interpolate_curve([(10.0, 10.0), (30.0, 6.0)], 31.0) is None
+
+
+@pytest.mark.parametrize("text", ["0", "1,x", "", "2,2", "-1"])
+def test_bad_concurrency_lists_are_refused(text):
+    with pytest.raises(InvalidArgument, match="--concurrency"):
+        parse_int_list(text, "--concurrency")
+
+
+@pytest.mark.parametrize("text", ["fast", "fixed,", "fixed,fixed", ""])
+def test_bad_policy_lists_are_refused(text):
+    if text == "fixed,":
+        assert parse_policies(text) == ["fixed"]
+        return
+    with pytest.raises(InvalidArgument, match="--policy"):
+        parse_policies(text)
