@@ -22,7 +22,7 @@ embedding output, and the last layer is refused (HF returns it after the final n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -49,6 +49,24 @@ def build_tiny_model(path: Path, arch: str = "qwen3", layers: int = 4, seed: int
     return path
 
 
+def build_tiny_dspark(target_dir: Path, path: Path, seed: int = 0) -> Path:
+    """A random 1-layer DSpark drafter (block 3, taps 0 and 2, Markov rank 8, confidence head) for a tiny
+    target built by `build_tiny_model`, saved in DeepSpec format at `path`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dspark_core.drafters import DrafterConfig, build_drafter, save_drafter
+
+    vocab = AutoConfig.from_pretrained(target_dir).vocab_size
+    mask = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids("<|mask|>")
+    torch.manual_seed(seed)
+    config = DrafterConfig(architecture="Qwen3DSparkModel", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
+                           target_layer_ids=(0, 2), num_target_layers=4, block_size=3, mask_token_id=mask,
+                           markov_rank=8, enable_confidence_head=True, max_position_embeddings=128)
+    save_drafter(build_drafter(config), path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))

@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from dspark_cli.main import main
 
-from conftest import build_tiny_model
+from conftest import build_tiny_dspark, build_tiny_model
 
 POINT_KEYS = ("policy", "concurrency", "aggregate_tokens_per_s", "per_user_tokens_per_s", "mean_verify_len")
 TOP_KEYS = ("results", "speedup_vs_ar_batch1", "speedup_vs_hf_assisted_batch1", "hf", "causal_vs_best_static",
@@ -21,19 +20,8 @@ TOP_KEYS = ("results", "speedup_vs_ar_batch1", "speedup_vs_hf_assisted_batch1", 
 @pytest.fixture(scope="module")
 def tiny_stack(tiny_target_dir, tmp_path_factory):
     """A random DSpark drafter (with a confidence head) and a tiny assistant for the tiny target."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dspark_core.drafters import DrafterConfig, build_drafter, save_drafter
-
     root = tmp_path_factory.mktemp("bench")
-    vocab = AutoConfig.from_pretrained(tiny_target_dir).vocab_size
-    mask = AutoTokenizer.from_pretrained(tiny_target_dir).convert_tokens_to_ids("<|mask|>")
-    torch.manual_seed(0)
-    config = DrafterConfig(architecture="Qwen3DSparkModel", vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
-                           target_layer_ids=(0, 2), num_target_layers=4, block_size=3, mask_token_id=mask,
-                           markov_rank=8, enable_confidence_head=True, max_position_embeddings=128)
-    save_drafter(build_drafter(config), root / "drafter")
+    build_tiny_dspark(tiny_target_dir, root / "drafter")
     build_tiny_model(root / "assistant", layers=1, seed=5)
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"turns": [f"What is {i} + {i}?"]}) + "\n" for i in range(5)))

@@ -6,9 +6,10 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from dspark_cli.main import main
+
+from conftest import build_tiny_dspark
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,18 +55,7 @@ def test_eval_truncation_cost_and_support_size(shared_fixtures, ids_file, capsys
 
 
 def test_eval_text_dataset_on_tiny_model_with_random_drafter(tiny_target_dir, tmp_path, capsys):
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dspark_core.drafters import DrafterConfig, build_drafter, save_drafter
-
-    vocab = AutoConfig.from_pretrained(tiny_target_dir).vocab_size
-    mask = AutoTokenizer.from_pretrained(tiny_target_dir).convert_tokens_to_ids("<|mask|>")
-    torch.manual_seed(0)
-    config = DrafterConfig(architecture="Qwen3DSparkModel", vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
-                           target_layer_ids=(0, 2), num_target_layers=4, block_size=3, mask_token_id=mask,
-                           markov_rank=8, enable_confidence_head=True, max_position_embeddings=128)
-    save_drafter(build_drafter(config), tmp_path / "random-dspark")
+    build_tiny_dspark(tiny_target_dir, tmp_path / "random-dspark")
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"turns": [f"What is {i} + {i}?"]}) + "\n" for i in range(40)))
     rc = main(["eval", "--dataset", str(data), "--drafter-path", str(tmp_path / "random-dspark"),
