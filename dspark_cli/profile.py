@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dense-until", type=int, default=64, help="measure every B up to this (default 64)")
     p.add_argument("--stride", type=int, default=8, help="B step above --dense-until (default 8)")
     p.add_argument("--context-length", type=int, default=256, help="context per sequence (default 256)")
-    p.add_argument("--block", type=int, default=8, help="tokens each sequence verifies (default 8)")
+    p.add_argument("--block", type=int, default=8, help="most tokens one sequence verifies (default 8)")
+    p.add_argument("--max-sequences", type=int, default=32,
+                   help="B tokens go one per sequence up to this many sequences, then a few each (default 32)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per B; the median counts (default 7)")
     p.add_argument("--out", default=None, help="where to write the table (default: TARGET/sps.json)")
     p.add_argument("--plot", default=None, help="PNG path for the curve (default: beside --out)")
@@ -46,6 +48,8 @@ def run(args) -> int:
         raise InvalidArgument("--max-batch", args.max_batch, "must be >= 1")
     if args.stride < 1:
         raise InvalidArgument("--stride", args.stride, "must be >= 1")
+    if args.max_sequences < 1:
+        raise InvalidArgument("--max-sequences", args.max_sequences, "must be >= 1")
     if args.threads is not None:
         if args.threads < 1:
             raise InvalidArgument("--threads", args.threads, "must be >= 1")
@@ -54,7 +58,8 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     target_dir = args.target or default_target()
     target = TargetRuntime(TargetConfig(target_dir, device=args.device, dtype=args.dtype))
-    bench = VerifyStepBench(target, context_length=args.context_length, block=args.block)
+    bench = VerifyStepBench(target, context_length=args.context_length, block=args.block,
+                            max_sequences=args.max_sequences)
     dense = min(args.max_batch, max(1, args.dense_until))
     sizes = list(range(1, dense + 1)) + list(range(dense + args.stride, args.max_batch + 1, args.stride))
     if sizes[-1] != args.max_batch:

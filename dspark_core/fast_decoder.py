@@ -100,15 +100,21 @@ class LeanDecoder:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, keep_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """input_ids, position_ids [n, q]; attention_mask [n, 1, q, kv] additive or None (attend to all).
+                 cache, keep_layers: tuple[int, ...] = (), rows: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """input_ids, position_ids [n, q]; attention_mask [n, 1, q, kv] additive or None (attend to all);
+        rows: indices into the n * q padded positions of the real tokens (None = no padding).
 
-        Returns the final-norm hidden states [n, q, hidden] and the outputs of the layers in
-        `keep_layers` (HF `hidden_states[l + 1]`; -1 = the embedding output), each [n, q, hidden].
+        Returns the final-norm hidden states of the real tokens, flattened row-major ([N, hidden], N = n * q
+        or len(rows)), and the outputs of the layers in `keep_layers` (HF `hidden_states[l + 1]`; -1 = the
+        embedding output) in the same layout. Everything but attention runs on the real tokens only, so a
+        ragged batch (one request verifying 7 drafts, the others 1) costs its real token count, not
+        n x the longest block.
         """
         n, q = input_ids.shape
-        h, d = self.num_heads, self.head_dim
-        x = self.embed(input_ids)
+        h, d, kvh = self.num_heads, self.head_dim, self.num_kv_heads
+        flat_ids = input_ids.reshape(n * q)
+        x = self.embed(flat_ids if rows is None else flat_ids[rows])  # [N, hidden]
         kept: dict[int, torch.Tensor] = {}
         if -1 in keep_layers:
             kept[-1] = x
@@ -116,22 +122,26 @@ class LeanDecoder:
         cos, sin = cos[:, None], sin[:, None]
         for li, L in enumerate(self.layers):
             hs = _rms_norm(x, L.in_norm, self.eps)
-            qkv = F.linear(hs, L.qkv_w, L.qkv_b)
-            qs, ks, vs = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            qs = qs.view(n, q, h, d)
-            ks = ks.view(n, q, self.num_kv_heads, d)
+            qkv = F.linear(hs, L.qkv_w, L.qkv_b)  # [N, (h + 2 kvh) d]
+            if rows is not None:
+                qkv = qkv.new_zeros(n * q, qkv.shape[-1]).index_copy_(0, rows, qkv)
+            qs, ks, vs = qkv.view(n, q, -1).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            qs = qs.reshape(n, q, h, d)
+            ks = ks.reshape(n, q, kvh, d)
             if L.q_norm is not None:
                 qs = _rms_norm(qs, L.q_norm, self.eps)
                 ks = _rms_norm(ks, L.k_norm, self.eps)
             qs = qs.transpose(1, 2)
             ks = ks.transpose(1, 2)
-            vs = vs.view(n, q, self.num_kv_heads, d).transpose(1, 2)
+            vs = vs.reshape(n, q, kvh, d).transpose(1, 2)
             qs = qs * cos + _rotate_half(qs) * sin
             ks = ks * cos + _rotate_half(ks) * sin
             keys, values = cache.update(ks, vs, li)
             attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=attention_mask, scale=self.scaling,
-                                                  enable_gqa=self.num_kv_heads != h)
-            attn = attn.transpose(1, 2).reshape(n, q, h * d)
+                                                  enable_gqa=kvh != h)
+            attn = attn.transpose(1, 2).reshape(n * q, h * d)
+            if rows is not None:
+                attn = attn.index_select(0, rows)
             x = x + F.linear(attn, L.o_w, L.o_b)
             hs = _rms_norm(x, L.post_norm, self.eps)
             gate, up = F.linear(hs, L.gate_up_w).split(self.inter, dim=-1)

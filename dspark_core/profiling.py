@@ -1,9 +1,13 @@
 """Step functions that make the target runtime carry exactly B tokens in one forward pass, for SPS(B).
 
 A verification step under load is many requests, each with a long context, each verifying a short
-block. `VerifyStepBench` builds that shape once — `ceil(B / block)` sequences prefilled to
-`context_length` tokens — and each call appends the blocks, then rolls them back, so every repeat sees
-the same context. The timing harness itself is `cost_model.profile_sps`.
+block. `VerifyStepBench` spreads B tokens as evenly as possible over `max(ceil(B / block),
+min(B, max_sequences))` sequences prefilled to `context_length` tokens: up to `max_sequences` tokens it is
+one token per request (what a step at concurrency R looks like before any draft is admitted), above that
+`max_sequences` requests verifying a few tokens each. So the table rises smoothly from B = R to B = R x
+block, the region a scheduler at concurrency R explores, instead of jumping wherever a new sequence
+starts (B = 9, 17, ... with one full block per sequence). Each call appends the tokens, then rolls them
+back, so every repeat sees the same context. The timing harness itself is `cost_model.profile_sps`.
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from .target import TargetRuntime
 
 
 class VerifyStepBench:
-    def __init__(self, target: TargetRuntime, context_length: int = 256, block: int = 8, seed: int = 0):
+    def __init__(self, target: TargetRuntime, context_length: int = 256, block: int = 8, seed: int = 0,
+                 max_sequences: int = 32):
         if context_length < 1 or context_length + block >= target.max_context:
             raise InvalidArgument("context_length", context_length,
                                   f"must be in [1, {target.max_context - block - 1}] for this target")
         if block < 1:
             raise InvalidArgument("block", block, "must be >= 1")
+        if max_sequences < 1:
+            raise InvalidArgument("max_sequences", max_sequences, "must be >= 1")
+        self.max_sequences = max_sequences
         self.target, self.context_length, self.block = target, context_length, block
         self.gen = torch.Generator().manual_seed(seed)
         self.seqs = []
@@ -35,10 +43,10 @@ class VerifyStepBench:
             self.seqs.append(seq)
 
     def __call__(self, b: int) -> None:
-        """One forward pass carrying `b` tokens, spread over ceil(b / block) sequences."""
-        n = math.ceil(b / self.block)
+        """One forward pass carrying `b` tokens, spread evenly over the sequences described above."""
+        n = max(math.ceil(b / self.block), min(b, self.max_sequences))
         self._ensure(n)
-        sizes = [self.block] * (n - 1) + [b - self.block * (n - 1)]
+        sizes = [b // n + (1 if i < b % n else 0) for i in range(n)]
         batch = [(s, [1] * k) for s, k in zip(self.seqs[:n], sizes)]
         self.target.forward(batch)
         if self.target.device.type == "cuda":

@@ -372,9 +372,18 @@ class TargetRuntime:
             mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
             mask = mask[:, None].to(self.device)
         taps_wanted = self.config.tap_layer_ids
+        sorted_counts = [len(t) for t in toks]
+        padded = min(sorted_counts) < q
+        # real tokens' indices among the n * q padded positions, row-major (None: nothing is padded)
+        rows = None
+        if padded:
+            valid = torch.arange(q)[None, :] < torch.tensor(sorted_counts)[:, None]  # [n, q]
+            rows = valid.reshape(-1).nonzero().squeeze(1).to(self.device)
         if self._lean is not None:
-            last_hidden, kept = self._lean(ids.to(self.device), pos.to(self.device), mask, self.cache, taps_wanted)
-            tap_states = [kept[l] for l in taps_wanted]
+            # [num_tokens, hidden] each, real tokens only
+            flat_hidden, kept = self._lean(ids.to(self.device), pos.to(self.device), mask, self.cache, taps_wanted,
+                                           rows=rows)
+            flat_taps = [kept[l] for l in taps_wanted]
         else:
             if mask is None:
                 mask = torch.zeros((n, 1, 1, kv_len), dtype=self.dtype, device=self.device)
@@ -382,33 +391,27 @@ class TargetRuntime:
                 input_ids=ids.to(self.device), position_ids=pos.to(self.device),
                 attention_mask=mask, cache=self.cache, use_cache=True,
                 output_hidden_states=bool(taps_wanted))
-            last_hidden = out.last_hidden_state
-            tap_states = [out.hidden_states[l + 1] for l in taps_wanted]
-        self.cache._plan = None
-        if min(counts) == q:  # no padding: flattening is a view
-            def flat(t: torch.Tensor) -> torch.Tensor:
-                return t.reshape(n * q, *t.shape[2:])
-        else:
-            # [n, q] validity of each padded position
-            valid = (torch.arange(q)[None, :] < torch.tensor([len(t) for t in toks])[:, None]).to(self.device)
 
             def flat(t: torch.Tensor) -> torch.Tensor:
-                return t[valid]
+                t = t.reshape(n * q, *t.shape[2:])
+                return t if rows is None else t.index_select(0, rows)
+
+            flat_hidden = flat(out.last_hidden_state)
+            flat_taps = [flat(out.hidden_states[l + 1]) for l in taps_wanted]
+        self.cache._plan = None
         if last_logits_only:
-            last = torch.tensor([len(t) - 1 for t in toks], device=self.device)
-            h = last_hidden[torch.arange(n, device=self.device), last]  # [n, hidden]
+            last = torch.tensor(sorted_counts).cumsum(0) - 1  # each sequence's last real token
+            h = flat_hidden.index_select(0, last.to(self.device))  # [n, hidden]
         else:
-            h = flat(last_hidden)  # [num_tokens, hidden]
+            h = flat_hidden  # [num_tokens, hidden]
         logits = self._lm_head(h).float()
-        final_hidden = flat(last_hidden) if return_final_hidden else None
+        final_hidden = flat_hidden if return_final_hidden else None
         taps = h.new_zeros((sum(counts), 0))
-        if tap_states:
-            # [n, q, num_taps * hidden] -> [num_tokens, num_taps * hidden]
-            taps = flat(torch.cat(tap_states, dim=-1))
+        if flat_taps:
+            taps = torch.cat(flat_taps, dim=-1)  # [num_tokens, num_taps * hidden]
         for s, t in zip(seqs, toks):
             s.length += len(t)
         # Back to the caller's order.
-        sorted_counts = [len(t) for t in toks]
         cu_sorted = [0]
         for c in sorted_counts:
             cu_sorted.append(cu_sorted[-1] + c)

@@ -1,0 +1,34 @@
+"""VerifyStepBench: B tokens one per sequence up to max_sequences, then a few each; the context is restored."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_core.errors import InvalidArgument
+from dspark_core.profiling import VerifyStepBench
+from dspark_core.target import TargetConfig, TargetRuntime
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_tokens_spread_one_per_sequence_then_evenly(tiny_target_dir, monkeypatch):
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
+    bench = VerifyStepBench(target, context_length=16, block=4, max_sequences=3)
+    calls = []
+    real_forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda batch, **kw: (calls.append([len(t) for _, t in batch]),
+                                                                real_forward(batch, **kw))[1])
+    for b in (1, 2, 3, 4, 7, 13):
+        bench(b)
+    # prefill calls (16 tokens each) interleave; keep the timed steps only
+    steps = [c for c in calls if c != [16]]
+    assert steps == [[1], [1, 1], [1, 1, 1], [2, 1, 1], [3, 2, 2], [4, 3, 3, 3]]  # 13 > 3 x 4: ceil(13 / 4) seqs
+    assert all(s.length == 16 for s in bench.seqs)  # rolled back after every step
+    bench.close()
+    assert target.num_active == 0
+
+
+def test_bad_max_sequences_is_named(tiny_target_dir):
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
+    with pytest.raises(InvalidArgument, match="max_sequences"):
+        VerifyStepBench(target, context_length=8, max_sequences=0)
