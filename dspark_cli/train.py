@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE
 from dspark_core.errors import InvalidArgument
 
 from .models import default_target
@@ -97,9 +98,10 @@ def add_parser(sub) -> None:
     g.add_argument("--position-decay", type=_decay, default=4.0,
                    help="slot weights exp(-j / DECAY); 'paper' = block size (default 4, the reference code)")
     g.add_argument("--step-decay", type=float, default=0.8, help="Eagle3 TTT step weights DECAY^s (0.8)")
-    g.add_argument("--confidence-support", type=_support, default=32, metavar="K|vocab",
+    g.add_argument("--confidence-support", type=_support, default=DEFAULT_SUPPORT_SIZE, metavar="K|vocab",
                    help="the confidence label is the acceptance of the draft truncated to its top-K, as inference "
-                        "samples it (default 32, the drafters' support); 'vocab' = full vocabulary (paper formula)")
+                        f"samples it (default {DEFAULT_SUPPORT_SIZE}, the drafters' support, i.e. min(K, vocabulary)); "
+                        "'vocab' = full vocabulary (paper formula)")
     g.add_argument("--confidence-temperature", type=float, default=1.0,
                    help="sampling temperature of draft and target in the confidence label (default 1.0)")
     g.add_argument("--init-from", default=None, metavar="DIR",
