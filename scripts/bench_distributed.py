@@ -35,7 +35,7 @@ def wait_ready(stub, deadline=240):
             time.sleep(1)
     raise SystemExit("not ready")
 
-def load(addr, reps=2):
+def load(addr, reps=3):
     ch = grpc.insecure_channel(addr, options=[("grpc.max_receive_message_length", 64 << 20)])
     stub = scheduler_service_pb2_grpc.SchedulerServiceStub(ch)
     wait_ready(stub)
