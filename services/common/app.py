@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 
 def default_pod_id(kind: str, port: int) -> str:
@@ -20,12 +21,43 @@ def advertise_address(host: str | None, port: int, address: str | None = None) -
     return address or f"{host or '127.0.0.1'}:{port}"
 
 
-class PodLifecycle:
-    """Going live, draining and shutting down, shared by the verifier and drafter apps.
+class ServingApp:
+    """Start-up shared by every app: serve first (health NOT_SERVING), then `load()` and report SERVING.
 
-    The app provides `grpc` (GrpcService), `servicer` (with `close()`), `executor`, `registry` (or None),
-    `heartbeat` (None until live), `record()` and `config.heartbeat_s`.
+    The app provides `grpc` (GrpcService) and `async load()`.
     """
+
+    async def start(self):
+        """Serve (health NOT_SERVING), load and warm up, then report SERVING."""
+        await self.start_server()
+        await self.load()
+        return self
+
+    async def start_server(self) -> None:
+        await self.grpc.start()
+
+
+class PodLifecycle(ServingApp):
+    """Identity, going live, draining and shutting down, shared by the verifier and drafter apps.
+
+    The app provides `servicer` (with `close()`), `record()`, `load()` and `config.heartbeat_s`;
+    `_init_pod` sets up `grpc`, `port`, `id`, `executor`, `registry` and `heartbeat`.
+    """
+
+    def _init_pod(self, kind: str, config, service_name: str, pod_id: str | None, make_servicer, add_to_server):
+        """The gRPC server, pod id, one model thread, the servicer (`make_servicer(id, executor)`) and Redis."""
+        from .registry import Registry, RegistryConfig
+        from .server import GrpcService
+
+        self.config = config
+        self.grpc = GrpcService(config.server, [service_name])
+        self.port = self.grpc.port
+        self.id = pod_id or default_pod_id(kind, self.port)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{kind}-model")
+        self.servicer = make_servicer(self.id, self.executor)
+        add_to_server(self.servicer, self.grpc.server)
+        self.registry = Registry(RegistryConfig(config.redis_url)) if config.redis_url else None
+        self.heartbeat = None
 
     async def go_live(self) -> None:
         """Report SERVING, then publish this pod in Redis and keep its record fresh."""

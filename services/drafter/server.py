@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +14,9 @@ import torch
 from dspark_core.errors import InvalidArgument
 from dspark_protos.dspark.v1 import drafter_service_pb2, drafter_service_pb2_grpc
 
-from ..common.app import PodLifecycle, advertise_address, default_pod_id
-from ..common.heartbeat import Heartbeat
-from ..common.registry import PodRecord, Registry, RegistryConfig
-from ..common.server import GrpcService, ServerConfig
+from ..common.app import PodLifecycle, advertise_address
+from ..common.registry import PodRecord
+from ..common.server import ServerConfig
 from .servicer import DrafterServicer
 
 log = logging.getLogger("dspark.drafter")
@@ -56,15 +54,9 @@ def load_drafter_for_serving(path: str, device: str, dtype: str):
 
 class DrafterApp(PodLifecycle):
     def __init__(self, config: DrafterAppConfig):
-        self.config = config
-        self.grpc = GrpcService(config.server, [SERVICE_NAME])
-        self.port = self.grpc.port
-        self.id = config.drafter_id or default_pod_id("drafter", self.port)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")
-        self.servicer = DrafterServicer(self.id, self.executor, config.max_active, config.coalesce_wait_s)
-        drafter_service_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, self.grpc.server)
-        self.registry = Registry(RegistryConfig(config.redis_url)) if config.redis_url else None
-        self.heartbeat: Heartbeat | None = None
+        self._init_pod("drafter", config, SERVICE_NAME, config.drafter_id,
+                       lambda pod_id, ex: DrafterServicer(pod_id, ex, config.max_active, config.coalesce_wait_s),
+                       drafter_service_pb2_grpc.add_DrafterServiceServicer_to_server)
 
     def _load(self):
         from dspark_core.drafters.base import ProposeItem
@@ -87,15 +79,6 @@ class DrafterApp(PodLifecycle):
             tokens_per_step=s.tokens_per_step.value, step_time_ewma_s=s.step_time.value,
             health="DRAINING" if self.grpc.draining else ("SERVING" if ready else "NOT_SERVING"),
             model=s.drafter.name if ready else "")
-
-    async def start(self):
-        """Serve (health NOT_SERVING), load and warm up, then report SERVING."""
-        await self.start_server()
-        await self.load()
-        return self
-
-    async def start_server(self) -> None:
-        await self.grpc.start()
 
     async def load(self) -> "DrafterApp":
         drafter = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)

@@ -17,7 +17,7 @@ from dspark_core.errors import InvalidArgument
 from dspark_protos.dspark.v1 import (drafter_service_pb2_grpc, scheduler_service_pb2, scheduler_service_pb2_grpc,
                                      verifier_service_pb2_grpc)
 
-from ..common.app import default_pod_id
+from ..common.app import ServingApp, default_pod_id
 from ..common.errors import Unavailable
 from ..common.registry import Registry, RegistryConfig
 from ..common.server import GrpcService, ServerConfig
@@ -80,7 +80,7 @@ def _sps_from_points(points):
     return SpsTable(tuple(int(b) for b, _ in points), tuple(float(s) for _, s in points))
 
 
-class SchedulerApp:
+class SchedulerApp(ServingApp):
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.grpc = GrpcService(config.server, [SERVICE_NAME])
@@ -186,15 +186,6 @@ class SchedulerApp:
             out["sps"] = {p.record.id: p.record.sps_table for p in list(self.verifiers.pods.values())
                           if p.record is not None}
         return out
-
-    async def start(self):
-        """Serve (health NOT_SERVING), load and warm up, then report SERVING."""
-        await self.start_server()
-        await self.load()
-        return self
-
-    async def start_server(self) -> None:
-        await self.grpc.start()
 
     async def load(self) -> "SchedulerApp":
         c = self.config

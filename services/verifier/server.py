@@ -11,17 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 from dspark_protos.dspark.v1 import verifier_service_pb2, verifier_service_pb2_grpc
 
-from ..common.app import PodLifecycle, advertise_address, default_pod_id
-from ..common.heartbeat import Heartbeat
-from ..common.registry import PodRecord, Registry, RegistryConfig
-from ..common.server import GrpcService, ServerConfig
+from ..common.app import PodLifecycle, advertise_address
+from ..common.registry import PodRecord
+from ..common.server import ServerConfig
 from .servicer import VerifierServicer
 
 log = logging.getLogger("dspark.verifier")
@@ -80,15 +78,9 @@ def load_sps_points(target_dir: str) -> list:
 
 class VerifierApp(PodLifecycle):
     def __init__(self, config: VerifierConfig):
-        self.config = config
-        self.grpc = GrpcService(config.server, [SERVICE_NAME])
-        self.port = self.grpc.port
-        self.id = config.verifier_id or default_pod_id("verifier", self.port)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="verifier-model")
-        self.servicer = VerifierServicer(self.id, self.executor, config.max_active, config.coalesce_wait_s)
-        verifier_service_pb2_grpc.add_VerifierServiceServicer_to_server(self.servicer, self.grpc.server)
-        self.registry = Registry(RegistryConfig(config.redis_url)) if config.redis_url else None
-        self.heartbeat: Heartbeat | None = None
+        self._init_pod("verifier", config, SERVICE_NAME, config.verifier_id,
+                       lambda pod_id, ex: VerifierServicer(pod_id, ex, config.max_active, config.coalesce_wait_s),
+                       verifier_service_pb2_grpc.add_VerifierServiceServicer_to_server)
         self._expiry: asyncio.Task | None = None
 
     def _load(self):
@@ -114,15 +106,6 @@ class VerifierApp(PodLifecycle):
             tokens_per_step=s.tokens_per_step.value if s else 0.0, step_time_ewma_s=s.step_time.value if s else 0.0,
             sps_table=s.sps_points if s else [], health="DRAINING" if self.grpc.draining else (
                 "SERVING" if s else "NOT_SERVING"), model=s.target.name if s else "")
-
-    async def start(self):
-        """Serve (health NOT_SERVING), load and warm up, then report SERVING."""
-        await self.start_server()
-        await self.load()
-        return self
-
-    async def start_server(self) -> None:
-        await self.grpc.start()
 
     async def load(self) -> "VerifierApp":
         target, verifier = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
