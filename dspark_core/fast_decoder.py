@@ -40,11 +40,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class _Layer:
     __slots__ = ("in_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "gate_up_w",
-                 "down_w", "eps")
+                 "down_w")
 
-    def __init__(self, layer, eps: float):
+    def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
-        self.eps = eps
         self.in_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         self.qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
@@ -83,17 +82,15 @@ class LeanDecoder:
         reason = self.supports(hf_config)
         if reason is not None:
             raise ValueError(f"LeanDecoder does not support this model: {reason}")
-        self.decoder = decoder
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
         self.norm_w = decoder.norm.weight
-        eps = float(hf_config.rms_norm_eps)
-        self.eps = eps
+        self.eps = float(hf_config.rms_norm_eps)
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
-        self.layers = [_Layer(layer, eps) for layer in decoder.layers]
+        self.layers = [_Layer(layer) for layer in decoder.layers]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.inter = self.layers[0].gate_up_w.shape[0] // 2 if self.layers else 0

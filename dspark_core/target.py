@@ -355,7 +355,8 @@ class TargetRuntime:
         n, q = len(seqs), max(counts)
         offsets = [s.length for s in seqs]
         self.cache.reserve(len(self._sequences), max(o + len(t) for o, t in zip(offsets, toks)))
-        self.cache.plan([s.slot for s in seqs], offsets, [len(t) for t in toks])
+        sorted_counts = [len(t) for t in toks]
+        self.cache.plan([s.slot for s in seqs], offsets, sorted_counts)
 
         ids = torch.zeros((n, q), dtype=torch.long)
         for r, t in enumerate(toks):
@@ -372,11 +373,9 @@ class TargetRuntime:
             mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
             mask = mask[:, None].to(self.device)
         taps_wanted = self.config.tap_layer_ids
-        sorted_counts = [len(t) for t in toks]
-        padded = min(sorted_counts) < q
         # real tokens' indices among the n * q padded positions, row-major (None: nothing is padded)
         rows = None
-        if padded:
+        if min(sorted_counts) < q:
             valid = torch.arange(q)[None, :] < torch.tensor(sorted_counts)[:, None]  # [n, q]
             rows = valid.reshape(-1).nonzero().squeeze(1).to(self.device)
         if self._lean is not None:
@@ -419,15 +418,13 @@ class TargetRuntime:
         for k, i in enumerate(order):
             inverse[i] = k
         if order != list(range(n)):
-            if last_logits_only:
-                logits = logits[torch.tensor(inverse, device=self.device)]
-            else:
-                rows = torch.cat([torch.arange(cu_sorted[inverse[i]], cu_sorted[inverse[i] + 1]) for i in range(n)])
-                logits = logits[rows.to(self.device)]
-            rows = torch.cat([torch.arange(cu_sorted[inverse[i]], cu_sorted[inverse[i] + 1]) for i in range(n)])
-            taps = taps[rows.to(self.device)]
+            # flat rows of each sequence, in the caller's order
+            caller_rows = torch.cat([torch.arange(cu_sorted[inverse[i]], cu_sorted[inverse[i] + 1])
+                                     for i in range(n)]).to(self.device)
+            logits = logits[torch.tensor(inverse, device=self.device) if last_logits_only else caller_rows]
+            taps = taps[caller_rows]
             if final_hidden is not None:
-                final_hidden = final_hidden[rows.to(self.device)]
+                final_hidden = final_hidden[caller_rows]
         cu = torch.zeros(n + 1, dtype=torch.long)
         cu[1:] = torch.cumsum(torch.tensor(counts), 0)
         return RaggedOutput(logits=logits, taps=taps, cu_seqlens=cu, last_only=last_logits_only,

@@ -61,8 +61,8 @@ def decode(target, drafter, ids, params, policy):
     if drafter is not None:
         del drafter.propose
     tokens = len(req.output_ids) - n0
-    return {"tokens_per_s": tokens / wall, "verify": verify.times, "propose": propose.times if propose else [],
-            "tau": tokens / max(1, len(verify.times))}
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "verify": verify.times,
+            "propose": propose.times if propose else []}
 
 
 def main() -> None:
@@ -91,7 +91,7 @@ def main() -> None:
     step_ar = med([t for r in ar for t in r["verify"]])
     verify = med([t for r in sd for t in r["verify"]])
     propose = med([t for r in sd for t in r["propose"]])
-    tau = sum(sum(1 for _ in r["verify"]) * r["tau"] for r in sd) / sum(len(r["verify"]) for r in sd)
+    tau = sum(r["tokens"] for r in sd) / sum(len(r["verify"]) for r in sd)  # tokens per target pass
     out = {
         "drafter": args.drafter, "policy": args.policy, "prompts": len(sd), "threads": torch.get_num_threads(),
         "ar_step_ms": step_ar * 1e3, "verify_ms": verify * 1e3, "propose_ms": propose * 1e3,
