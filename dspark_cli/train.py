@@ -37,6 +37,16 @@ def _decay(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"must be a number or 'paper'; got {text!r}") from None
 
 
+def _temperatures(text: str) -> tuple[float, ...]:
+    try:
+        ts = tuple(float(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        ts = ()
+    if not ts or any(not 0 <= t < float("inf") for t in ts) or len(set(ts)) != len(ts):
+        raise argparse.ArgumentTypeError(f"must be distinct temperatures >= 0, e.g. 1 or 0,1; got {text!r}")
+    return ts
+
+
 def _support(text: str) -> int | None:
     if text == "vocab":
         return None
@@ -67,7 +77,9 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.2, help="held-out fraction of the fixed split (0.2)")
     g = p.add_argument_group("distillation")
     g.add_argument("--max-new-tokens", type=int, default=256, help="response tokens per prompt (default 256)")
-    g.add_argument("--distill-temperature", type=float, default=1.0, help="target sampling temperature (1.0)")
+    g.add_argument("--distill-temperature", type=_temperatures, default=(1.0,), metavar="T[,T...]",
+                   help="target sampling temperature (1.0); a list such as 0,1 answers every prompt once per "
+                        "temperature (one cache each, under --cache-dir/T<t>) and trains on all of them")
     g.add_argument("--concurrency", type=int, default=32, help="prompts answered at once per rank (32)")
     g.add_argument("--cache-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="dtype of cached features (default bfloat16)")
@@ -110,6 +122,10 @@ def add_parser(sub) -> None:
     g.add_argument("--trainable", default="all", choices=("all", "confidence"),
                    help="parameters to train: all (but the frozen embedding / LM head; default) or only the "
                         "confidence head (with --init-from: refit the confidence, drafts and tau unchanged)")
+    g.add_argument("--greedy-confidence", action="store_true",
+                   help="DSpark: also train a greedy confidence output (label: draft argmax == target argmax), "
+                        "used for temperature-0 requests; with --init-from a checkpoint without one it starts "
+                        "as a copy of the confidence head")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda when present")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -149,6 +165,7 @@ def run(args) -> int:
     import torch
 
     from dspark_core.target import TargetConfig, TargetRuntime
+    from dspark_core.training.cache import ConcatCache
     from dspark_core.training.data import load_prompts, split
     from dspark_core.training.distributed import init_distributed
     from dspark_core.training.prepare import DistillSettings, prepare_target_cache
@@ -163,11 +180,11 @@ def run(args) -> int:
         ce_weight=args.ce_weight, tv_weight=args.tv_weight, confidence_weight=args.confidence_weight,
         position_decay=args.position_decay, step_decay=args.step_decay,
         confidence_support=args.confidence_support, confidence_temperature=args.confidence_temperature,
-        init_from=args.init_from, trainable=args.trainable, fsdp=args.fsdp, bf16=args.bf16)
+        init_from=args.init_from, trainable=args.trainable, greedy_confidence=args.greedy_confidence, fsdp=args.fsdp, bf16=args.bf16)
     if args.init_from and not Path(args.init_from, "config.json").is_file():
         raise InvalidArgument("--init-from", args.init_from, "must be a drafter checkpoint directory (config.json)")
-    settings = DistillSettings(max_new_tokens=args.max_new_tokens, temperature=args.distill_temperature,
-                               seed=args.seed, concurrency=args.concurrency, dtype=args.cache_dtype)
+    settings = [DistillSettings(max_new_tokens=args.max_new_tokens, temperature=t, seed=args.seed,
+                                concurrency=args.concurrency, dtype=args.cache_dtype) for t in args.distill_temperature]
     ctx = init_distributed(dist_config_from_env(args.device))
     try:
         if ctx.device.type == "cpu" and ctx.distributed:  # share the cores between the local ranks
@@ -182,8 +199,11 @@ def run(args) -> int:
         cfg = dataclasses.replace(cfg, target_layer_ids=taps)
         target = TargetRuntime(TargetConfig(model_dir=target_dir, device=str(ctx.device), dtype="auto",
                                             tap_layer_ids=taps))
-        cache = prepare_target_cache(target, train_prompts, args.cache_dir or Path(args.out) / "cache", ctx,
-                                     settings, rebuild=args.rebuild_cache, progress=not args.no_progress, log=say)
+        cache_dir = Path(args.cache_dir or Path(args.out) / "cache")
+        caches = [prepare_target_cache(target, train_prompts, cache_dir / f"T{s.temperature:g}" if len(settings) > 1
+                                       else cache_dir, ctx, s, rebuild=args.rebuild_cache,
+                                       progress=not args.no_progress, log=say) for s in settings]
+        cache = caches[0] if len(caches) == 1 else ConcatCache(caches, cache_dir)
         drafter = fresh_drafter(target, cfg)
         if cfg.init_from:
             init_from_checkpoint(drafter, cfg.init_from)
@@ -191,7 +211,9 @@ def run(args) -> int:
         del target
         gc.collect()
         data_info = {"prompt_files": [str(f) for f in args.data], "train_prompts": len(train_prompts),
-                     "held_out_prompts": len(held_out), "distill": settings.__dict__}
+                     "held_out_prompts": len(held_out),
+                     "distill": settings[0].__dict__ if len(settings) == 1 else
+                     {**settings[0].__dict__, "temperature": [s.temperature for s in settings]}}
         trainer = Trainer(cfg, cache, drafter, ctx, resume=args.resume, data_info=data_info,
                           progress=not args.no_progress)
         if args.resume and trainer.step:

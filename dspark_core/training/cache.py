@@ -195,3 +195,41 @@ class TargetCache:
         lo, hi = int(t["offsets"][row]), int(t["offsets"][row + 1])
         return {"input_ids": t["input_ids"][lo:hi].long(), "loss_mask": t["loss_mask"][lo:hi].bool(),
                 "features": t["features"][lo:hi], "final_hidden": t["final_hidden"][lo:hi]}
+
+
+class ConcatCache:
+    """Several caches read as one (e.g. the same prompts distilled at T = 0 and at T = 1): sample ids run
+    through the first cache, then the second, ... Every part must hold the same target, taps and sizes."""
+
+    def __init__(self, parts: list[TargetCache], path: str | Path):
+        if not parts:
+            raise InvalidArgument("caches", 0, "must hold at least one target cache")
+        first = parts[0].manifest
+        for p in parts[1:]:
+            m = p.manifest
+            for name in ("target", "tap_layer_ids", "hidden_size", "vocab_size"):
+                if getattr(m, name) != getattr(first, name):
+                    raise InvalidArgument("cache", str(p.path),
+                                          f"has {name} {getattr(m, name)!r}, but {parts[0].path} has "
+                                          f"{getattr(first, name)!r}; caches read together must match")
+        self.parts, self.path = parts, Path(path)
+        self._starts = [0]
+        for p in parts:
+            self._starts.append(self._starts[-1] + len(p))
+        self.manifest = CacheManifest(target=first.target, tap_layer_ids=list(first.tap_layer_ids),
+                                      hidden_size=first.hidden_size, vocab_size=first.vocab_size, dtype=first.dtype,
+                                      num_samples=sum(p.manifest.num_samples for p in parts),
+                                      num_tokens=sum(p.manifest.num_tokens for p in parts))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def check_compatible(self, tap_layer_ids, hidden_size: int, vocab_size: int | None = None) -> None:
+        for p in self.parts:
+            p.check_compatible(tap_layer_ids, hidden_size, vocab_size)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = next(k for k in range(len(self.parts)) if i < self._starts[k + 1])
+        return self.parts[k][i - self._starts[k]]

@@ -240,3 +240,54 @@ def test_trainable_confidence_moves_only_the_confidence_head(cli_run, target, ct
         TrainConfig(kind="dflash", trainable="confidence")
     with pytest.raises(InvalidArgument, match="trainable"):
         TrainConfig(trainable="backbone")
+
+
+def test_cli_distills_at_several_temperatures_and_trains_on_all(cli_run, tiny_target_dir, tmp_path, capsys):
+    _, data = cli_run
+    run = tmp_path / "mix"
+    rc = main(["train", "--kind", "dflash", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(run),
+               "--distill-temperature", "0,1", "--steps", "2", "--global-batch", "4", *TRAIN_ARGS])
+    assert rc == 0
+    greedy, sampled = TargetCache(run / "cache" / "T0"), TargetCache(run / "cache" / "T1")
+    card = json.loads((run / "training_card.json").read_text())
+    assert card["data"]["distill"]["temperature"] == [0.0, 1.0]
+    assert card["data"]["num_samples"] == len(greedy) + len(sampled) == 2 * len(greedy)
+    # the T = 0 cache holds the target's own greedy answers: the same prompt, a different response than at T = 1
+    assert [greedy[i]["input_ids"].shape for i in range(3)] != [sampled[i]["input_ids"].shape for i in range(3)] or \
+        any(not torch.equal(greedy[i]["input_ids"], sampled[i]["input_ids"]) for i in range(3))
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(tmp_path / "bad"),
+              "--distill-temperature", "0,-1", *TRAIN_ARGS])
+    assert exit_.value.code == 2 and "--distill-temperature" in capsys.readouterr().err
+
+
+def test_concat_cache_reads_its_parts_in_order(cli_run):
+    from dspark_core.training.cache import ConcatCache
+
+    part = TargetCache(cli_run[0] / "cache")
+    both = ConcatCache([part, part], cli_run[0])
+    assert len(both) == 2 * len(part) and both.manifest.num_tokens == 2 * part.manifest.num_tokens
+    last = len(part) - 1
+    assert torch.equal(both[len(part) + last]["features"], part[last]["features"])
+    assert torch.equal(both[0]["input_ids"], part[0]["input_ids"])
+    with pytest.raises(IndexError):
+        both[2 * len(part)]
+
+
+def test_cli_greedy_confidence_adds_a_trained_greedy_output(cli_run, tiny_target_dir, tmp_path):
+    out, data = cli_run
+    run = tmp_path / "greedy"
+    rc = main(["train", "--kind", "dspark", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(run),
+               "--cache-dir", str(out / "cache"), "--steps", "3", "--global-batch", "6", "--lr", "3e-3",
+               "--init-from", str(out / "final"), "--greedy-confidence", *TRAIN_ARGS])
+    assert rc == 0
+    assert "gconf" in json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    before = load_file(str(out / "final" / "model.safetensors"))
+    after = load_file(str(run / "final" / "model.safetensors"))
+    assert after["confidence_head.greedy.weight"].shape == before["confidence_head.proj.weight"].shape
+    drafter = load_drafter(run / "final")
+    assert drafter.config.greedy_confidence_head and drafter.confidence_head.greedy is not None
+    # it started as a copy of the confidence head (init_from) and then trained on its own label
+    assert not torch.equal(after["confidence_head.greedy.weight"], after["confidence_head.proj.weight"])
+    with pytest.raises(InvalidArgument, match="greedy_confidence"):
+        TrainConfig(kind="dflash", greedy_confidence=True)
