@@ -49,6 +49,8 @@ def run(args) -> int:
     sets = load_prompt_sets(args, target.tokenizer)
     prompts = [ids for s in sets for ids in s["prompts"]]
     torch.manual_seed(args.seed)
+    # at temperature 0 a drafter with a greedy confidence output reports (and so calibrates) that output
+    greedy = args.temperature == 0 and drafter.config.greedy_confidence_head
     log = run_rounds(target, drafter, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                      seed=args.seed, concurrency=args.concurrency, stop_token_ids=target.eos_token_ids)
     records = cal.RolloutRecords.from_rounds(log.confidence_logits, log.accepted, log.proposed,
@@ -61,6 +63,7 @@ def run(args) -> int:
     table = cal.calibration_table(check_on, None, temps)
     result = {
         "drafter": Path(path).name, "drafter_path": str(path), "temperatures": list(temps),
+        "confidence_output": "greedy" if greedy else "sampled",
         "datasets": [s["dataset"] for s in sets], "split": sets[0]["split"], "num_prompts": len(prompts),
         "rounds_fit": len(fit_on), "rounds_check": len(check_on),
         "table_on": "held-out half (odd prompts)" if holdout else "all rollouts (in sample)",
@@ -73,7 +76,7 @@ def run(args) -> int:
         meta = {k: result[k] for k in ("datasets", "num_prompts", "rounds_fit", "temperature", "max_new_tokens")}
         meta["ece_survival_raw"] = [r["ece_survival_raw"] for r in table]
         meta["ece_survival_sts"] = [r["ece_survival_sts"] for r in table]
-        result["written"] = str(cal.write_calibration(path, temps, {"fitted_on": meta}))
+        result["written"] = str(cal.write_calibration(path, temps, {"fitted_on": meta}, greedy=greedy))
     if args.plots:
         from dspark_core.report import plot_reliability
 

@@ -259,13 +259,28 @@ def reliability_by_position(records: RolloutRecords, temperatures=None, bins: in
     return [reliability(*position_view(records, k, temperatures, view), bins) for k in range(1, records.gamma + 1)]
 
 
-def write_calibration(drafter_dir: str | Path, temperatures, metadata: dict | None = None) -> Path:
-    """Write `<drafter_dir>/calibration.json` = {"method": "sts", "temperatures": [...], ...metadata}."""
+def write_calibration(drafter_dir: str | Path, temperatures, metadata: dict | None = None,
+                      greedy: bool = False) -> Path:
+    """Write `<drafter_dir>/calibration.json` = {"method": "sts", "temperatures": [...], ...metadata}.
+
+    `greedy`: these temperatures calibrate the greedy confidence output instead; they go to the file's
+    `"greedy"` section and the sampled-regime temperatures already there are kept (all 1.0 if none). A
+    sampled-regime write keeps an existing greedy section likewise."""
     temps = [float(t) for t in temperatures]
     if not temps or any(not math.isfinite(t) or t <= 0 for t in temps):
         raise InvalidArgument("temperatures", temps, "must be a non-empty list of finite numbers > 0")
     path = Path(drafter_dir) / "calibration.json"
-    body = {"method": "sts", "temperatures": temps, **(metadata or {})}
+    try:
+        old = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        old = {}
+    if greedy:
+        body = {"method": "sts", "temperatures": [1.0] * len(temps), **old,
+                "greedy": {"temperatures": temps, **(metadata or {})}}
+    else:
+        body = {"method": "sts", "temperatures": temps, **(metadata or {})}
+        if "greedy" in old:
+            body["greedy"] = old["greedy"]
     path.write_text(json.dumps(body, indent=2, default=_jsonable) + "\n")
     return path
 

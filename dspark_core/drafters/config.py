@@ -11,7 +11,9 @@ untouched in `extra`. It also reads the optional STS calibration (per-slot confi
 algorithms.md section 6), either as a `calibration` block of `config.json` or as a sidecar
 `calibration.json` (the sidecar wins, so a calibration run never has to rewrite the checkpoint):
 
-    {"method": "sts", "temperatures": [t_1, ..., t_gamma]}
+    {"method": "sts", "temperatures": [t_1, ..., t_gamma], "greedy": {"temperatures": [...]}}
+
+(the optional `greedy` section calibrates the greedy confidence output, our extension).
 
 It knows nothing about weights, tensors or devices.
 """
@@ -34,6 +36,7 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 CONFIG_FILE = "config.json"
 CALIBRATION_FILE = "calibration.json"
 MAX_BLOCK_SIZE = 64
+_KEEP = object()  # with_calibration: leave the greedy temperatures as they are
 
 # Keys of config.json that DrafterConfig owns; everything else is kept verbatim in `extra`.
 _OWNED_KEYS = frozenset({
@@ -41,7 +44,7 @@ _OWNED_KEYS = frozenset({
     "num_key_value_heads", "head_dim", "num_hidden_layers", "target_layer_ids", "num_target_layers",
     "rms_norm_eps", "max_position_embeddings", "attention_bias", "hidden_act", "tie_word_embeddings",
     "block_size", "mask_token_id", "num_anchors", "markov_rank", "markov_head_type",
-    "enable_confidence_head", "confidence_head_with_markov", "ttt_length", "step_loss_decay",
+    "enable_confidence_head", "confidence_head_with_markov", "greedy_confidence_head", "ttt_length", "step_loss_decay",
     "draft_num_hidden_layers", "calibration",
 })
 
@@ -90,12 +93,17 @@ class DrafterConfig:
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
+    # our extension (DeepSpec checkpoints lack it): a second confidence output, trained on the greedy label
+    # 1[argmax draft == argmax target], used for temperature-0 requests (`confidence_head.greedy`)
+    greedy_confidence_head: bool = False
     # Eagle3
     ttt_length: int | None = None
     step_loss_decay: float | None = None
     draft_num_hidden_layers: int | None = None
     # STS calibration: one temperature per draft slot, None = all 1.0
     calibration_temperatures: tuple[float, ...] | None = None
+    # STS of the greedy confidence output (calibration.json "greedy" section), None = all 1.0
+    calibration_temperatures_greedy: tuple[float, ...] | None = None
     # config.json keys this class does not model, written back unchanged
     extra: Mapping[str, object] = field(default_factory=dict, compare=False, repr=False)
 
@@ -119,13 +127,16 @@ class DrafterConfig:
             self._validate_dspark()
         else:
             self._validate_eagle3()
-        if self.calibration_temperatures is not None:
-            temps = self.calibration_temperatures
+        for name, temps in (("calibration.temperatures", self.calibration_temperatures),
+                            ("calibration.greedy.temperatures", self.calibration_temperatures_greedy)):
+            if temps is None:
+                continue
             if not isinstance(temps, tuple) or len(temps) != self.gamma:
-                raise InvalidArgument("calibration.temperatures", temps,
-                                      f"must be a tuple of {self.gamma} temperatures (one per draft slot)")
+                raise InvalidArgument(name, temps, f"must be a tuple of {self.gamma} temperatures (one per draft slot)")
             for t in temps:
-                _require_positive_float("calibration.temperatures", t)
+                _require_positive_float(name, t)
+        if self.greedy_confidence_head and not (self.architecture == ARCH_DSPARK and self.enable_confidence_head):
+            raise InvalidArgument("greedy_confidence_head", True, "needs a DSpark drafter with a confidence head")
 
     def _validate_target_layers(self) -> None:
         ids = self.target_layer_ids
@@ -186,13 +197,23 @@ class DrafterConfig:
         return self.calibration_temperatures or (1.0,) * self.gamma
 
     @property
+    def sts_temperatures_greedy(self) -> tuple[float, ...]:
+        """Temperatures of the greedy confidence output (all 1.0 until `dspark calibrate --temperature 0`)."""
+        return self.calibration_temperatures_greedy or (1.0,) * self.gamma
+
+    @property
     def confidence_input_size(self) -> int:
         with_markov = self.confidence_head_with_markov and self.markov_rank > 0
         return self.hidden_size + (self.markov_rank if with_markov else 0)
 
-    def with_calibration(self, temperatures) -> DrafterConfig:
+    def with_calibration(self, temperatures, greedy=_KEEP) -> DrafterConfig:
+        """Install STS temperatures: `temperatures` for the (sampled) confidence head and, if given, `greedy`
+        for the greedy output (default: keep the current ones); None = all 1.0."""
         temps = None if temperatures is None else tuple(float(t) for t in temperatures)
-        return dataclasses.replace(self, calibration_temperatures=temps)
+        if greedy is _KEEP:
+            greedy = self.calibration_temperatures_greedy
+        greedy = None if greedy is None else tuple(float(t) for t in greedy)
+        return dataclasses.replace(self, calibration_temperatures=temps, calibration_temperatures_greedy=greedy)
 
     # ---- config.json ----------------------------------------------------------------------------
 
@@ -249,10 +270,12 @@ class DrafterConfig:
             markov_head_type=d.get("markov_head_type", "vanilla"),
             enable_confidence_head=bool(d.get("enable_confidence_head", False)),
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
+            greedy_confidence_head=bool(d.get("greedy_confidence_head", False)),
             ttt_length=d.get("ttt_length"),
             step_loss_decay=d.get("step_loss_decay"),
             draft_num_hidden_layers=d.get("draft_num_hidden_layers"),
             calibration_temperatures=None if calib is None else parse_calibration(calib),
+            calibration_temperatures_greedy=None if calib is None else parse_greedy_calibration(calib),
             extra={k: v for k, v in d.items() if k not in _OWNED_KEYS},
         )
         return cls(**kwargs)
@@ -285,11 +308,15 @@ class DrafterConfig:
                 optional["markov_head_type"] = self.markov_head_type
             if self.enable_confidence_head:
                 optional["confidence_head_with_markov"] = self.confidence_head_with_markov
+            if self.greedy_confidence_head:
+                optional["greedy_confidence_head"] = True
         else:
             optional.update(ttt_length=self.ttt_length, step_loss_decay=self.step_loss_decay,
                             draft_num_hidden_layers=self.draft_num_hidden_layers)
         if self.calibration_temperatures is not None:
             optional["calibration"] = {"method": "sts", "temperatures": list(self.calibration_temperatures)}
+            if self.calibration_temperatures_greedy is not None:
+                optional["calibration"]["greedy"] = {"temperatures": list(self.calibration_temperatures_greedy)}
         d.update({k: v for k, v in optional.items() if v is not None})
         return d
 
@@ -306,6 +333,19 @@ def parse_calibration(block: object) -> tuple[float, ...]:
         raise InvalidArgument("calibration.temperatures", temps, "must be a non-empty list of numbers")
     for t in temps:
         _require_positive_float("calibration.temperatures", t)
+    return tuple(float(t) for t in temps)
+
+
+def parse_greedy_calibration(block: Mapping) -> tuple[float, ...] | None:
+    """The optional `"greedy": {"temperatures": [...]}` section of a calibration block."""
+    greedy = block.get("greedy")
+    if greedy is None:
+        return None
+    temps = greedy.get("temperatures") if isinstance(greedy, Mapping) else None
+    if not isinstance(temps, list) or not temps:
+        raise InvalidArgument("calibration.greedy.temperatures", temps, "must be a non-empty list of numbers")
+    for t in temps:
+        _require_positive_float("calibration.greedy.temperatures", t)
     return tuple(float(t) for t in temps)
 
 
@@ -335,7 +375,8 @@ def load_config(path: str | Path) -> DrafterConfig:
     calib_path = path / CALIBRATION_FILE
     if calib_path.is_file():
         try:
-            config = config.with_calibration(parse_calibration(_read_json(calib_path)))
+            block = _read_json(calib_path)
+            config = config.with_calibration(parse_calibration(block), parse_greedy_calibration(block))
         except InvalidArgument as exc:
             raise ModelLoadError(f"{calib_path}: {exc}") from exc
     return config

@@ -63,6 +63,8 @@ class BlockDraft:
     # [B, gamma, k] / [B, gamma, k] sampling support and renormalised q, None when all greedy
     support_ids: torch.Tensor | None = None
     support_probs: torch.Tensor | None = None
+    # [B, gamma] raw logits of the greedy confidence output, None without one
+    greedy_confidence_logits: torch.Tensor | None = None
 
 
 def _check_support_size(support_size: int) -> None:
@@ -113,8 +115,15 @@ class DSparkDrafter(ParallelBackbone):
     @torch.no_grad()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = self.draft(items)
-        temps = torch.tensor(self.config.sts_temperatures, dtype=torch.float32, device=out.tokens.device)
+        dev = out.tokens.device
+        temps = torch.tensor(self.config.sts_temperatures, dtype=torch.float32, device=dev)
         conf_logits = None if out.confidence_logits is None else out.confidence_logits.float()  # [B, gamma]
+        if out.greedy_confidence_logits is not None:
+            # temperature-0 requests are accepted by argmax agreement: their confidences come from the greedy
+            # output with its own calibration
+            greedy = torch.tensor([it.temperature == 0 for it in items], device=dev)[:, None]
+            conf_logits = torch.where(greedy, out.greedy_confidence_logits.float(), conf_logits)
+            temps = torch.where(greedy, torch.tensor(self.config.sts_temperatures_greedy, device=dev), temps)
         confidences = None if conf_logits is None else torch.sigmoid(conf_logits / temps)
         proposals = []
         for i, (it, toks) in enumerate(zip(items, out.tokens.tolist())):
@@ -159,7 +168,7 @@ class DSparkDrafter(ParallelBackbone):
         markov, conf_head = self.markov_head, self.confidence_head
         state = markov.start(hidden[:, 0]) if markov is not None else None
         prev = anchors  # [B]
-        logits_out, tokens, prevs, confs, sup_ids, sup_probs = [], [], [], [], [], []
+        logits_out, tokens, prevs, confs, gconfs, sup_ids, sup_probs = [], [], [], [], [], [], []
         for k in range(gamma):
             if teacher_prev is not None:
                 prev = teacher_prev[:, k]
@@ -170,7 +179,9 @@ class DSparkDrafter(ParallelBackbone):
                 bias, state = markov.step(hidden[:, k], prev_emb, state)
                 logits = logits + bias
             if conf_head is not None:
-                confs.append(conf_head(hidden[:, k], prev_emb))  # [B]
+                c, g = conf_head.both(hidden[:, k], prev_emb)  # [B] each (g None without a greedy output)
+                confs.append(c)
+                gconfs.append(g)
             choice = choose_tokens(logits, temperatures, None if uniforms is None else uniforms[:, k],
                                    self.support_size)
             logits_out.append(logits)
@@ -188,6 +199,7 @@ class DSparkDrafter(ParallelBackbone):
             confidence_logits=torch.stack(confs, dim=1) if confs else None,
             support_ids=torch.stack(sup_ids, dim=1) if sampled else None,
             support_probs=torch.stack(sup_probs, dim=1) if sampled else None,
+            greedy_confidence_logits=torch.stack(gconfs, dim=1) if gconfs and gconfs[0] is not None else None,
         )
 
     # ---- training-time forward --------------------------------------------------------------------

@@ -90,8 +90,16 @@ class ConfidenceHead(nn.Module):
         self.with_markov = config.confidence_input_size > config.hidden_size
         # [1, H (+ r)]
         self.proj = nn.Linear(config.confidence_input_size, 1, bias=True)
+        # the greedy output (same input, label 1[argmax draft == argmax target]); not in DeepSpec's format
+        self.greedy = nn.Linear(config.confidence_input_size, 1, bias=True) if config.greedy_confidence_head else None
 
     def forward(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
         """h [B, H], prev_emb [B, r] -> raw confidence logit [B]."""
+        return self.both(h, prev_emb)[0]
+
+    def both(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (sampled-regime logit [B], greedy logit [B] or None without a greedy output)."""
         x = torch.cat((h, prev_emb), dim=-1) if self.with_markov else h
-        return self.proj(x).squeeze(-1)
+        if self.greedy is None:
+            return self.proj(x).squeeze(-1), None
+        return self.proj(x).squeeze(-1), self.greedy(x).squeeze(-1)

@@ -203,13 +203,15 @@ def acceptance_probability(draft_logits: torch.Tensor, target_logits: torch.Tens
 
 def dspark_loss_sums(logits: torch.Tensor, confidence_logits: torch.Tensor | None, targets: BlockTargets,
                      final_hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor,
-                     config: LossConfig) -> LossSums:
+                     config: LossConfig, greedy_confidence_logits: torch.Tensor | None = None) -> LossSums:
     """DSpark / DFlash loss sums for one micro-batch.
 
     logits [B, A, gamma, V] corrected draft logits U + B (teacher forced); confidence_logits [B, A, gamma]
     or None; final_hidden [B, S, H] cached target states; lm_head_weight [V, H] the frozen head.
     Terms: ce, tv, conf (each num = sum w * loss, den = sum w) and `accept` (mean soft label, coef 0).
     The soft label is `acceptance_probability` with the config's confidence support and temperature.
+    With `greedy_confidence_logits` [B, A, gamma], also `gconf`: BCE against the greedy acceptance
+    1[argmax draft == argmax target] (what verification accepts at temperature 0), weight as `conf`.
     """
     gamma = logits.shape[2]
     sel = targets.supervised  # [B, A, gamma]
@@ -225,7 +227,7 @@ def dspark_loss_sums(logits: torch.Tensor, confidence_logits: torch.Tensor | Non
         sums.coef[name] = torch.tensor([float(coef)], device=den.device)
 
     add("ce", F.cross_entropy(draft, targets.labels[sel], reduction="none"), config.ce_weight)
-    need_target = config.tv_weight > 0 or confidence_logits is not None
+    need_target = config.tv_weight > 0 or confidence_logits is not None or greedy_confidence_logits is not None
     if need_target:
         pos = block_target_positions(anchors, gamma)[sel]  # [N]
         t_logits = target_logits(final_hidden, torch.stack((idx[:, 0], pos), 1), lm_head_weight)
@@ -243,6 +245,10 @@ def dspark_loss_sums(logits: torch.Tensor, confidence_logits: torch.Tensor | Non
             conf = confidence_logits[sel].float()
             add("conf", F.binary_cross_entropy_with_logits(conf, soft_label, reduction="none"),
                 config.confidence_weight)
+        if greedy_confidence_logits is not None:
+            hit = (draft.detach().argmax(-1) == t_logits.argmax(-1)).float()
+            add("gconf", F.binary_cross_entropy_with_logits(greedy_confidence_logits[sel].float(), hit,
+                                                            reduction="none"), config.confidence_weight)
     return sums
 
 
@@ -252,7 +258,7 @@ def block_denominators(targets: BlockTargets, sums_keys: tuple[str, ...]) -> dic
     return {k: den for k in sums_keys}
 
 
-def dspark_term_names(config: LossConfig, has_confidence: bool) -> tuple[str, ...]:
+def dspark_term_names(config: LossConfig, has_confidence: bool, has_greedy: bool = False) -> tuple[str, ...]:
     names = ["ce"]
     if config.tv_weight > 0:
         names.append("tv")
@@ -260,6 +266,8 @@ def dspark_term_names(config: LossConfig, has_confidence: bool) -> tuple[str, ..
         names.append("accept")
     if has_confidence:
         names.append("conf")
+    if has_greedy:
+        names.append("gconf")
     return tuple(names)
 
 

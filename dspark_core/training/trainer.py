@@ -95,6 +95,8 @@ class TrainConfig:
     # start from this drafter checkpoint's weights (None = seeded initialisation); recorded in the card
     init_from: str | None = None
     trainable: str = "all"  # all | confidence (only the confidence head; needs a DSpark kind)
+    # DSpark: add the greedy confidence output (label 1[argmax draft == argmax target]) beside the T-label head
+    greedy_confidence: bool = False
     fsdp: bool = False
     bf16: bool = False  # autocast on CUDA
 
@@ -118,6 +120,8 @@ class TrainConfig:
             raise InvalidArgument("trainable", self.trainable, f"must be one of {list(TRAINABLE)}")
         if self.trainable == "confidence" and self.kind not in ("dspark", "dspark-rnn"):
             raise InvalidArgument("trainable", self.trainable, f"needs a drafter with a confidence head, not {self.kind}")
+        if self.greedy_confidence and self.kind not in ("dspark", "dspark-rnn"):
+            raise InvalidArgument("greedy_confidence", True, f"needs a drafter with a confidence head, not {self.kind}")
         if self.draft_layers is not None:
             _int("draft_layers", self.draft_layers, 1)
             if self.kind == "eagle3" and self.draft_layers != 1:
@@ -203,7 +207,8 @@ def drafter_config_for_target(target, config: TrainConfig) -> DrafterConfig:
         architecture=ARCH_DSPARK, num_hidden_layers=depth, block_size=config.block_size,
         mask_token_id=mask_token_for(target.tokenizer, target.vocab_size), num_anchors=config.num_anchors,
         markov_rank=rank, markov_head_type="rnn" if config.kind == "dspark-rnn" else "vanilla",
-        enable_confidence_head=config.kind != "dflash", confidence_head_with_markov=True, **common)
+        enable_confidence_head=config.kind != "dflash", confidence_head_with_markov=True,
+        greedy_confidence_head=config.greedy_confidence and config.kind != "dflash", **common)
 
 
 def set_trainable(drafter: nn.Module, which: str = "all") -> nn.Module:
@@ -250,6 +255,10 @@ def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:
             raise InvalidArgument("init_from", str(path), f"has {name} {getattr(a, name, None)!r}, this run "
                                                           f"needs {getattr(b, name, None)!r}")
     theirs, ours = src.state_dict(), drafter.state_dict()
+    added = set()  # a greedy confidence output this run adds to a checkpoint without one: starts as a copy
+    if b.greedy_confidence_head and not a.greedy_confidence_head:
+        added = {k for k in ours if k.startswith("confidence_head.greedy.")}
+        theirs = {**theirs, **{k: theirs[k.replace(".greedy.", ".proj.")] for k in added}}
     if set(theirs) != set(ours):
         diff = sorted(set(theirs) ^ set(ours))
         raise InvalidArgument("init_from", str(path), f"holds other tensors than this drafter ({', '.join(diff[:4])})")
@@ -345,14 +354,16 @@ class TrainStep(nn.Module):
     def term_names(self) -> tuple[str, ...]:
         if self.eagle:
             return ("soft_ce", "accept")
-        return L.dspark_term_names(self.loss_config, self.drafter.confidence_head is not None)
+        head = self.drafter.confidence_head
+        return L.dspark_term_names(self.loss_config, head is not None, head is not None and head.greedy is not None)
 
     def coefficients(self) -> dict[str, torch.Tensor]:
         lc, g = self.loss_config, self.drafter.config.gamma
         if self.eagle:
             c = lc.step_decay ** torch.arange(g, dtype=torch.float32)
             return {"soft_ce": c, "accept": torch.zeros(g)}
-        w = {"ce": lc.ce_weight, "tv": lc.tv_weight, "conf": lc.confidence_weight, "accept": 0.0}
+        w = {"ce": lc.ce_weight, "tv": lc.tv_weight, "conf": lc.confidence_weight, "gconf": lc.confidence_weight,
+             "accept": 0.0}
         return {k: torch.tensor([float(w[k])]) for k in self.term_names()}
 
     def denominators(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
@@ -369,7 +380,7 @@ class TrainStep(nn.Module):
         else:
             out = d.training_forward(mb.input_ids, mb.features, mb.anchors)
             sums = L.dspark_loss_sums(out.logits, out.confidence_logits, mb.block, mb.final_hidden, mb.anchors,
-                                      d.lm_head.weight, self.loss_config)
+                                      d.lm_head.weight, self.loss_config, out.greedy_confidence_logits)
         return {k: v.clone() for k, v in sums.num.items()}  # not views: FSDP hooks the outputs
 
 

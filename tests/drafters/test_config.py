@@ -79,3 +79,67 @@ def test_calibration_from_config_block_and_sidecar(fixtures_dir, reference, tmp_
     d.set_calibration(None)
     (prop,) = d.propose([_item(d, reference("dspark"))])
     torch.testing.assert_close(prop.confidences, torch.sigmoid(prop.confidence_logits))
+
+
+def _with_greedy_head(fixtures_dir, tmp_path):
+    """The dspark fixture plus a greedy confidence output whose weights differ from the T-label head's."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "greedy"
+    ckpt.mkdir()
+    raw = json.loads((fixtures_dir / "dspark" / "config.json").read_text())
+    raw["greedy_confidence_head"] = True
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(str(fixtures_dir / "dspark" / "model.safetensors"))
+    tensors["confidence_head.greedy.weight"] = -2.0 * tensors["confidence_head.proj.weight"]
+    tensors["confidence_head.greedy.bias"] = tensors["confidence_head.proj.bias"] + 1.0
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    return ckpt, raw
+
+
+def test_greedy_confidence_output_serves_temperature_zero_requests(fixtures_dir, reference, tmp_path):
+    ckpt, raw = _with_greedy_head(fixtures_dir, tmp_path)
+    assert load_config(ckpt).to_dict() == raw  # the extension key round-trips
+    d = load_drafter(ckpt)
+    plain = load_drafter(fixtures_dir / "dspark")
+    ref = reference("dspark")
+    greedy_item, sampled_item = _item(d, ref), dataclasses.replace(_item(d, ref), temperature=1.0, generator=torch.Generator().manual_seed(3))
+    (g, s) = d.propose([greedy_item, sampled_item])
+    (g0,) = plain.propose([_item(plain, ref)])
+    # the drafts are the plain drafter's; the T = 0 request's confidences come from the greedy output
+    assert g.tokens == g0.tokens
+    assert not torch.allclose(g.confidence_logits, g0.confidence_logits)
+    (s0,) = plain.propose([dataclasses.replace(_item(plain, ref), temperature=1.0, generator=torch.Generator().manual_seed(3))])
+    torch.testing.assert_close(s.confidence_logits, s0.confidence_logits)
+    # each output has its own STS temperatures
+    (ckpt / "calibration.json").write_text(json.dumps(
+        {"method": "sts", "temperatures": [2.0] * 4, "greedy": {"temperatures": [0.5, 1.0, 4.0, 1.0]}}))
+    d = load_drafter(ckpt)
+    assert d.config.sts_temperatures == (2.0,) * 4 and d.config.sts_temperatures_greedy == (0.5, 1.0, 4.0, 1.0)
+    g, s = d.propose([_item(d, ref), dataclasses.replace(_item(d, ref), temperature=1.0, generator=torch.Generator().manual_seed(3))])
+    torch.testing.assert_close(g.confidences, torch.sigmoid(g.confidence_logits / torch.tensor([0.5, 1, 4, 1])))
+    torch.testing.assert_close(s.confidences, torch.sigmoid(s.confidence_logits / 2.0))
+    d.set_calibration([1.0] * 4)  # a sampled-regime change keeps the greedy temperatures
+    assert d.config.sts_temperatures_greedy == (0.5, 1.0, 4.0, 1.0)
+    (ckpt / "calibration.json").write_text(json.dumps(
+        {"method": "sts", "temperatures": [2.0] * 4, "greedy": {"temperatures": [0.0, 1, 1, 1]}}))
+    with pytest.raises(ModelLoadError, match="calibration.greedy.temperatures"):
+        load_config(ckpt)
+
+
+def test_write_calibration_keeps_the_other_regime(tmp_path):
+    from dspark_core.calibration import write_calibration
+
+    write_calibration(tmp_path, [0.5] * 4, {"fitted_on": {"temperature": 0.0}}, greedy=True)
+    body = json.loads((tmp_path / "calibration.json").read_text())
+    assert body["temperatures"] == [1.0] * 4 and body["greedy"]["temperatures"] == [0.5] * 4
+    write_calibration(tmp_path, [2.0] * 4, {"fitted_on": {"temperature": 1.0}})
+    body = json.loads((tmp_path / "calibration.json").read_text())
+    assert body["temperatures"] == [2.0] * 4 and body["greedy"]["temperatures"] == [0.5] * 4
+    assert body["fitted_on"]["temperature"] == 1.0 and body["greedy"]["fitted_on"]["temperature"] == 0.0
+
+
+def test_greedy_confidence_head_needs_a_confidence_head(fixtures_dir):
+    cfg = load_config(fixtures_dir / "dflash")
+    with pytest.raises(InvalidArgument, match="greedy_confidence_head"):
+        dataclasses.replace(cfg, greedy_confidence_head=True)

@@ -242,3 +242,25 @@ def test_eagle3_soft_ce_equals_target_entropy_when_draft_matches():
         assert sums.num["soft_ce"][k].item() == pytest.approx(entropy.item(), rel=1e-5)
     assert sums.coef["soft_ce"].tolist() == pytest.approx([1.0, 0.8])
     assert sums.values()["accept"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_greedy_confidence_label_is_argmax_agreement():
+    # two slots: slot 0's draft argmax (token 1) matches the target's argmax, slot 1's (token 0) does not
+    ids = torch.tensor([[0, 1, 2, 0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    anchors, valid = torch.tensor([[1]]), torch.tensor([[True]])
+    t = L.block_targets(ids, mask, anchors, valid, gamma=2, decay=4.0)
+    final_hidden = torch.zeros(1, 4, 3)
+    final_hidden[0, 1] = torch.tensor([0.2, 0.5, 0.3]).log()  # target at slot 0: argmax 1
+    final_hidden[0, 2] = torch.tensor([0.3, 0.3, 0.4]).log()  # target at slot 1: argmax 2
+    logits = torch.tensor([[0.1, 0.8, 0.1], [0.6, 0.1, 0.3]]).log().reshape(1, 1, 2, 3)
+    conf, gconf = torch.zeros(1, 1, 2), torch.tensor([[[1.5, -0.5]]])
+    s = L.dspark_loss_sums(logits, conf, t, final_hidden, anchors, _one_hot_lm(3), L.LossConfig(), gconf)
+    w = [1.0, math.exp(-1 / 4)]
+    bce = [-math.log(torch.sigmoid(torch.tensor(1.5)).item()),  # label 1
+           -math.log(1 - torch.sigmoid(torch.tensor(-0.5)).item())]  # label 0
+    assert s.num["gconf"].item() == pytest.approx(w[0] * bce[0] + w[1] * bce[1], rel=1e-5)
+    assert s.coef["gconf"].item() == s.coef["conf"].item() == 1.0
+    assert L.dspark_term_names(L.LossConfig(), True, True)[-1] == "gconf"
+    assert "gconf" not in L.dspark_loss_sums(logits, conf, t, final_hidden, anchors, _one_hot_lm(3),
+                                             L.LossConfig()).num
