@@ -119,9 +119,11 @@ def add_parser(sub) -> None:
     g.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from this drafter checkpoint's weights (same kind, shape and taps; the block size "
                         "may differ) instead of a fresh initialisation")
-    g.add_argument("--trainable", default="all", choices=("all", "confidence"),
+    g.add_argument("--trainable", default="all",
+                   choices=("all", "confidence", "confidence-sampled", "confidence-greedy"),
                    help="parameters to train: all (but the frozen embedding / LM head; default) or only the "
-                        "confidence head (with --init-from: refit the confidence, drafts and tau unchanged)")
+                        "confidence head (with --init-from: refit the confidence, drafts and tau unchanged); "
+                        "confidence-sampled / confidence-greedy: only that output of it")
     g.add_argument("--greedy-confidence", action="store_true",
                    help="DSpark: also train a greedy confidence output (label: draft argmax == target argmax), "
                         "used for temperature-0 requests; with --init-from a checkpoint without one it starts "

@@ -46,7 +46,9 @@ from dspark_core.training.distributed import (WRAP_FSDP, DistContext, EpochSampl
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
 # what a run trains: everything but the frozen embedding / LM head, or only the confidence head (refit the
 # confidence of an already trained drafter without moving its drafts: tau stays exactly the same)
-TRAINABLE = ("all", "confidence")
+# what a run trains: everything but the frozen copies, or one part of the confidence head
+TRAINABLE = {"all": None, "confidence": "confidence_head.", "confidence-sampled": "confidence_head.proj.",
+             "confidence-greedy": "confidence_head.greedy."}
 STATE_FILE = "trainer_state.pt"
 
 
@@ -94,7 +96,7 @@ class TrainConfig:
     confidence_temperature: float = 1.0
     # start from this drafter checkpoint's weights (None = seeded initialisation); recorded in the card
     init_from: str | None = None
-    trainable: str = "all"  # all | confidence (only the confidence head; needs a DSpark kind)
+    trainable: str = "all"  # a TRAINABLE key: all, or (part of) the confidence head (needs a DSpark kind)
     # DSpark: add the greedy confidence output (label 1[argmax draft == argmax target]) beside the T-label head
     greedy_confidence: bool = False
     fsdp: bool = False
@@ -118,7 +120,7 @@ class TrainConfig:
         _int("block_size", self.block_size, 1)
         if self.trainable not in TRAINABLE:
             raise InvalidArgument("trainable", self.trainable, f"must be one of {list(TRAINABLE)}")
-        if self.trainable == "confidence" and self.kind not in ("dspark", "dspark-rnn"):
+        if self.trainable.startswith("confidence") and self.kind not in ("dspark", "dspark-rnn"):
             raise InvalidArgument("trainable", self.trainable, f"needs a drafter with a confidence head, not {self.kind}")
         if self.greedy_confidence and self.kind not in ("dspark", "dspark-rnn"):
             raise InvalidArgument("greedy_confidence", True, f"needs a drafter with a confidence head, not {self.kind}")
@@ -213,11 +215,11 @@ def drafter_config_for_target(target, config: TrainConfig) -> DrafterConfig:
 
 def set_trainable(drafter: nn.Module, which: str = "all") -> nn.Module:
     """`all`: everything trains except the embedding and LM head copied from the target; `confidence`: only
-    the confidence head's parameters."""
+    the confidence head's parameters; `confidence-sampled` / `confidence-greedy`: only that output of it."""
     if which not in TRAINABLE:
         raise InvalidArgument("trainable", which, f"must be one of {list(TRAINABLE)}")
     for name, p in drafter.named_parameters():
-        p.requires_grad_(name not in FROZEN if which == "all" else name.startswith("confidence_head."))
+        p.requires_grad_(name not in FROZEN if which == "all" else name.startswith(TRAINABLE[which]))
     if not any(p.requires_grad for p in drafter.parameters()):
         raise InvalidArgument("trainable", which, "leaves nothing to train in this drafter")
     return drafter.train()

@@ -291,3 +291,18 @@ def test_cli_greedy_confidence_adds_a_trained_greedy_output(cli_run, tiny_target
     assert not torch.equal(after["confidence_head.greedy.weight"], after["confidence_head.proj.weight"])
     with pytest.raises(InvalidArgument, match="greedy_confidence"):
         TrainConfig(kind="dflash", greedy_confidence=True)
+
+
+def test_trainable_one_confidence_output_leaves_the_other_alone(cli_run, target, ctx, tmp_path):
+    final = cli_run[0] / "final"
+    for which, prefix in (("confidence-sampled", "confidence_head.proj."),
+                          ("confidence-greedy", "confidence_head.greedy.")):
+        cfg = TrainConfig(out_dir=str(tmp_path / which), steps=2, global_batch=4, lr=1e-2, num_anchors=8,
+                          block_size=4, target_layer_ids=(0, 1, 2), trainable=which, init_from=str(final),
+                          greedy_confidence=True)
+        drafter = init_from_checkpoint(fresh_drafter(target, cfg), final)
+        before = {k: v.clone() for k, v in drafter.state_dict().items()}
+        Trainer(cfg, TargetCache(cli_run[0] / "cache"), drafter, ctx, progress=False).train()
+        after = load_file(str(tmp_path / which / "final" / "model.safetensors"))
+        moved = {k for k in before if not torch.equal(before[k], after[k].to(before[k].dtype))}
+        assert moved and all(k.startswith(prefix) for k in moved), (which, moved)
