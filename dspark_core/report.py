@@ -289,12 +289,23 @@ def write_report(results: list[dict], out_dir: str | Path, head_cost: list[dict]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     parts, plots = ["# DSpark evaluation report", ""], []
+    # Runs at different sampling temperatures never share a table (tau at T = 0 and at T = 1 measure different
+    # things): the paper's T = 1 (else the lowest present) drives Table 1 and the figures, every other
+    # temperature gets its own table and conditional-acceptance plot.
+    temps = sorted({r.get("temperature", 1.0) for r in results})
+    main_t = 1.0 if 1.0 in temps or not temps else temps[0]
+    others = {t: [r for r in results if r.get("temperature", 1.0) == t] for t in temps if t != main_t}
+    results = [r for r in results if r.get("temperature", 1.0) == main_t]
     if results:
         sizes = sorted({r.get("block_size") for r in results if r.get("block_size") is not None})
-        temps = sorted({r.get("temperature") for r in results if r.get("temperature") is not None})
         parts += ["## Table 1", "", table1_markdown(results),
-                  f"Results: {len(results)} runs; block sizes {sizes}; sampling temperatures {temps}. "
+                  f"Results: {len(results)} runs at T = {main_t:g}; block sizes {sizes}. "
                   "Eval split only, fixed policy (no scheduler).", ""]
+        for t, rs in others.items():
+            name = f"conditional_acceptance_t{t:g}.png"
+            plots.append(plot_conditional_acceptance(rs, out_dir / name))
+            parts += [f"## Table 1 at T = {t:g}", "", table1_markdown(rs),
+                      f"Results: {len(rs)} runs at T = {t:g}.", "", f"![]({name})", ""]
         plots.append(plot_conditional_acceptance(results, out_dir / "conditional_acceptance.png"))
         parts += ["## Conditional acceptance by position", "", "![](conditional_acceptance.png)", ""]
         if len(sizes) > 1:

@@ -146,3 +146,20 @@ def test_report_table1_keeps_the_trained_block_size_when_a_sweep_ties_it(tmp_pat
             r["trained_block_size"] = 7
             results.append(r)
     assert table1(results)["block_size"] == 7
+
+
+def test_report_keeps_temperatures_apart(tmp_path, capsys):
+    res = tmp_path / "results"
+    res.mkdir()
+    for t, taus in ((1.0, (2.0, 1.6)), (0.0, (5.0, 4.0))):
+        for (name, kind), tau in zip((("dspark", "dspark"), ("dflash", "dflash")), taus):
+            r = _result(name, kind, "mbpp", "code", tau)
+            r["temperature"] = t
+            (res / f"{name}-mbpp-t{t:g}.json").write_text(json.dumps(r))
+    assert main(["report", "--results", str(res), "--out", str(tmp_path / "out"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    md = (tmp_path / "out" / "report.md").read_text()
+    main_table, greedy_table = md.split("## Table 1 at T = 0")
+    assert "| mbpp | code | 2.00 | 1.60 | +25.0% |" in main_table and "5.00" not in main_table
+    assert "| mbpp | code | 5.00 | 4.00 | +25.0% |" in greedy_table
+    assert any(p.endswith("conditional_acceptance_t0.png") for p in out["plots"])
