@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
@@ -23,6 +24,10 @@ def add_parser(sub) -> None:
     p.add_argument("--block", type=int, default=8, help="most tokens one sequence verifies (default 8)")
     p.add_argument("--max-sequences", type=int, default=32,
                    help="B tokens go one per sequence up to this many sequences, then a few each (default 32)")
+    p.add_argument("--requests", default="1,2,4,8,16,32",
+                   help="also profile rows with exactly R requests per pass, B = R .. R x --block, for these R "
+                        "(comma-separated; 'none' to skip). Schedulers read the row of the step's request "
+                        "count: at batch 1, 8 tokens are one context's attention, not 8 (default 1,2,4,8,16,32)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per B; the median counts (default 7)")
     p.add_argument("--out", default=None, help="where to write the table (default: TARGET/sps.json)")
     p.add_argument("--plot", default=None, help="PNG path for the curve (default: beside --out)")
@@ -37,11 +42,23 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _requests(text: str) -> list[int]:
+    if text.strip().lower() == "none":
+        return []
+    try:
+        rs = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    except ValueError:
+        rs = [0]
+    if not rs or rs[0] < 1:
+        raise InvalidArgument("--requests", text, "must be request counts >= 1, e.g. 1,2,4,8, or 'none'")
+    return rs
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
     from dspark_core.cost_model import monotone, plot_sps, profile_sps
-    from dspark_core.profiling import VerifyStepBench
+    from dspark_core.profiling import VerifyStepBench, requests_grid
     from dspark_core.target import TargetConfig, TargetRuntime
 
     if args.max_batch < 1:
@@ -50,6 +67,7 @@ def run(args) -> int:
         raise InvalidArgument("--stride", args.stride, "must be >= 1")
     if args.max_sequences < 1:
         raise InvalidArgument("--max-sequences", args.max_sequences, "must be >= 1")
+    requests = _requests(args.requests)
     if args.threads is not None:
         if args.threads < 1:
             raise InvalidArgument("--threads", args.threads, "must be >= 1")
@@ -64,10 +82,15 @@ def run(args) -> int:
     sizes = list(range(1, dense + 1)) + list(range(dense + args.stride, args.max_batch + 1, args.stride))
     if sizes[-1] != args.max_batch:
         sizes.append(args.max_batch)
-    bar = tqdm(total=args.repeats, desc="profile", unit="sweep")
-    table = profile_sps(bench, sizes, repeats=args.repeats, warmup=2, progress=lambda: bar.update(1),
-                        device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
-                        context_length=args.context_length, model=target.name)
+    grid = requests_grid(requests, args.block)
+    bar = tqdm(total=args.repeats * (1 + len(grid)), desc="profile", unit="sweep")
+    meta = dict(device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
+                context_length=args.context_length, model=target.name)
+    table = profile_sps(bench, sizes, repeats=args.repeats, warmup=2, progress=lambda: bar.update(1), **meta)
+    rows = tuple((r, profile_sps(lambda b, r=r: bench(b, requests=r), bs, repeats=args.repeats, warmup=2,
+                                 progress=lambda: bar.update(1), **meta)) for r, bs in grid.items())
+    if rows:
+        table = dataclasses.replace(table, by_requests=rows)
     bar.close()
     bench.close()
     out = Path(args.out) if args.out else Path(target_dir) / "sps.json"

@@ -63,10 +63,16 @@ class SpsTable:
     dtype: str | None = None
     context_length: int | None = None
     model: str | None = None
+    # Optional rows measured with exactly R requests in the pass ((R, table over B >= R), R increasing): a step
+    # of 8 tokens costs less as one request verifying 8 than as 8 requests verifying one each (attention over
+    # one context, not 8). `for_requests(R)` reads them; the plain table is what B alone says.
+    by_requests: tuple[tuple[int, "SpsTable"], ...] | None = None
     # step times 1/SPS, derived once for extrapolation
     _step_times: tuple[float, ...] = field(init=False, repr=False, compare=False)
     # SPS at B = 0 .. min(batch_sizes[-1], _DENSE_LIMIT), filled on the first `sps_range` call
     _dense: list[float] | None = field(init=False, repr=False, compare=False, default=None)
+    # for_requests results by R
+    _per_requests: dict | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         sizes, speeds = self.batch_sizes, self.steps_per_second
@@ -101,6 +107,16 @@ class SpsTable:
         if self.context_length is not None:
             object.__setattr__(self, "context_length", int(self.context_length))
         object.__setattr__(self, "_step_times", tuple(1.0 / s for s in self.steps_per_second))
+        if self.by_requests is not None:
+            rows = tuple((r, t) for r, t in (self.by_requests.items() if isinstance(self.by_requests, dict)
+                                             else self.by_requests))
+            for i, (r, t) in enumerate(rows):
+                if not _is_int(r) or r < 1 or (i and r <= rows[i - 1][0]):
+                    raise InvalidArgument("by_requests", r, "must be increasing request counts >= 1")
+                if not isinstance(t, SpsTable):
+                    raise InvalidArgument(f"by_requests[{r}]", t, "must be an SpsTable")
+            object.__setattr__(self, "by_requests", tuple((int(r), t) for r, t in rows) or None)
+        object.__setattr__(self, "_per_requests", {})
 
     def __call__(self, b: int | float) -> float:
         """Steps per second of a forward pass carrying `b` tokens (see the class docstring)."""
@@ -147,6 +163,34 @@ class SpsTable:
         """Seconds per forward pass carrying `b` tokens: 1 / SPS(b)."""
         return 1.0 / self(b)
 
+    def for_requests(self, r: int) -> "SpsTable":
+        """SPS(B) of a pass that carries `r` requests' tokens (what a scheduler deciding one step knows).
+
+        The profiled row for `r`; between two rows, step time interpolated linearly in r at every B; below
+        the first row, the first row; above the last row (or without rows), this table itself.
+        """
+        rows = self.by_requests
+        if not rows or r > rows[-1][0]:
+            return self
+        cached = self._per_requests.get(r)
+        if cached is not None:
+            return cached
+        hi = next(i for i, (rr, _) in enumerate(rows) if rr >= r)
+        r1, t1 = rows[hi]
+        if r1 == r or hi == 0:
+            table = t1
+        else:
+            r0, t0 = rows[hi - 1]
+            w = (r - r0) / (r1 - r0)
+            sizes = sorted({b for b in (*t0.batch_sizes, *t1.batch_sizes) if b >= r} | {r})
+            table = SpsTable(batch_sizes=tuple(sizes),
+                             steps_per_second=tuple(1.0 / ((1 - w) * t0.step_time(b) + w * t1.step_time(b))
+                                                    for b in sizes),
+                             device=self.device, dtype=self.dtype, context_length=self.context_length,
+                             model=self.model)
+        self._per_requests[r] = table
+        return table
+
     # -- serialisation -------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,6 +202,10 @@ class SpsTable:
         }
         for name in _METADATA_FIELDS:
             out[name] = getattr(self, name)
+        if self.by_requests:
+            out["by_requests"] = {str(r): {"batch_sizes": list(t.batch_sizes),
+                                           "steps_per_second": list(t.steps_per_second)}
+                                  for r, t in self.by_requests}
         return out
 
     @classmethod
@@ -176,10 +224,26 @@ class SpsTable:
                 raise InvalidArgument(key, None, "is required")
             if not isinstance(data[key], list):
                 raise InvalidArgument(key, data[key], "must be a list")
+        rows = data.get("by_requests")
+        if rows is not None:
+            if not isinstance(rows, dict):
+                raise InvalidArgument("by_requests", rows, "must be an object {requests: table}")
+            parsed = []
+            for key, row in rows.items():
+                if not (isinstance(key, str) and key.isdigit()) or int(key) < 1:
+                    raise InvalidArgument("by_requests", key, "keys must be request counts >= 1")
+                if not isinstance(row, dict):
+                    raise InvalidArgument(f"by_requests[{key}]", row, "must be a table object")
+                try:
+                    parsed.append((int(key), cls.from_dict(row)))
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"by_requests[{key}].{exc.field}", exc.value, exc.requirement) from exc
+            rows = tuple(sorted(parsed))
         return cls(
             batch_sizes=tuple(data["batch_sizes"]),
             steps_per_second=tuple(data["steps_per_second"]),
             **{name: data.get(name) for name in _METADATA_FIELDS},
+            by_requests=rows,
         )
 
     def to_json(self) -> str:
@@ -295,8 +359,10 @@ def monotone(table: SpsTable) -> SpsTable:
             blocks[-1][0] += total
             blocks[-1][1] += count
     times = [total / count for total, count in blocks for _ in range(int(count))]
+    rows = None if not table.by_requests else tuple((r, monotone(t)) for r, t in table.by_requests)
     return SpsTable(batch_sizes=table.batch_sizes, steps_per_second=tuple(1.0 / t for t in times),
-                    device=table.device, dtype=table.dtype, context_length=table.context_length, model=table.model)
+                    device=table.device, dtype=table.dtype, context_length=table.context_length, model=table.model,
+                    by_requests=rows)
 
 
 def sps_callable(sps: SpsLike) -> Callable[[int], float]:
@@ -357,6 +423,10 @@ def plot_sps(table: SpsTable, path: str | os.PathLike[str], *, max_batch: int | 
             ax.plot(measured, [fn(b) for b in measured], "o", color="C0", ms=3, label="monotone fit")
         else:
             ax.plot(measured, [fn(b) for b in measured], "o", color="C0", label="measured")
+        for r, row in table.by_requests or ():
+            bs = [b for b in range(row.batch_sizes[0], row.batch_sizes[-1] + 1) if b <= top]
+            ax.plot(bs, [(1 if ax is ax_sps else b) * row(b) for b in bs], "-", lw=0.8, alpha=0.7,
+                    label=f"{r} request{'s' if r > 1 else ''}")
         ax.set_xlabel("tokens per forward pass (B)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)

@@ -156,9 +156,14 @@ class Engine:
         if cfg.policy == "threshold":
             return lambda confs: scheduling.threshold_schedule(confs, cfg.confidence_threshold)
         if cfg.policy == "causal":
-            return lambda confs: scheduling.causal_prefix_schedule(confs, self.sps)
+            return lambda confs: scheduling.causal_prefix_schedule(confs, self._sps_for(len(confs)))
         async_sched = scheduling.AsyncScheduler()
-        return lambda confs: async_sched.schedule(confs, self.sps)
+        return lambda confs: async_sched.schedule(confs, self._sps_for(len(confs)))
+
+    def _sps_for(self, requests: int):
+        """The cost curve of a step carrying `requests` requests (a table's per-request row when it has one)."""
+        for_requests = getattr(self.sps, "for_requests", None)
+        return for_requests(requests) if for_requests is not None else self.sps
 
     # -- request lifecycle
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:

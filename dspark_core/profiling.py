@@ -8,6 +8,9 @@ one token per request (what a step at concurrency R looks like before any draft 
 block, the region a scheduler at concurrency R explores, instead of jumping wherever a new sequence
 starts (B = 9, 17, ... with one full block per sequence). Each call appends the tokens, then rolls them
 back, so every repeat sees the same context. The timing harness itself is `cost_model.profile_sps`.
+
+`requests_grid` lists the (R, B) points of the per-request rows (`SpsTable.by_requests`): for each R, B from
+R (anchors only) to R x block (every request verifying a full block).
 """
 
 from __future__ import annotations
@@ -18,6 +21,21 @@ import torch
 
 from .errors import InvalidArgument
 from .target import TargetRuntime
+
+
+def requests_grid(requests: list[int], block: int, points: int = 15) -> dict[int, list[int]]:
+    """{R: batch sizes R .. R x block, about `points` of them, always both ends}."""
+    grid = {}
+    for r in requests:
+        if r < 1:
+            raise InvalidArgument("requests", r, "must be >= 1")
+        lo, hi = r, r * block
+        step = max(1, math.ceil((hi - lo) / max(1, points - 1)))
+        sizes = list(range(lo, hi + 1, step))
+        if sizes[-1] != hi:
+            sizes.append(hi)
+        grid[r] = sizes
+    return grid
 
 
 class VerifyStepBench:
@@ -42,9 +60,15 @@ class VerifyStepBench:
             self.target.forward([(seq, ids)], last_logits_only=True)
             self.seqs.append(seq)
 
-    def __call__(self, b: int) -> None:
-        """One forward pass carrying `b` tokens, spread evenly over the sequences described above."""
-        n = max(math.ceil(b / self.block), min(b, self.max_sequences))
+    def __call__(self, b: int, requests: int | None = None) -> None:
+        """One forward pass carrying `b` tokens, spread evenly over the sequences described above, or over
+        exactly `requests` sequences (a step at concurrency R: every request verifies b / R tokens)."""
+        if requests is not None:
+            if not 1 <= requests <= b:
+                raise InvalidArgument("requests", requests, f"must be in [1, b = {b}]")
+            n = requests
+        else:
+            n = max(math.ceil(b / self.block), min(b, self.max_sequences))
         self._ensure(n)
         sizes = [b // n + (1 if i < b % n else 0) for i in range(n)]
         batch = [(s, [1] * k) for s, k in zip(self.seqs[:n], sizes)]

@@ -41,3 +41,21 @@ def test_bad_values_name_the_flag(tiny_target_dir, capsys, flag, value):
     assert main(["profile", "--target", str(tiny_target_dir), flag, value]) == 2
     err = capsys.readouterr().err
     assert flag in err and value in err and len(err.strip().splitlines()) == 1
+
+
+def test_requests_rows_are_profiled_and_saved(tiny_target_dir, tmp_path, capsys):
+    threads = torch.get_num_threads()
+    out = tmp_path / "sps.json"
+    rc = main(["profile", "--target", str(tiny_target_dir), "--max-batch", "4", "--repeats", "1", "--context-length",
+               "8", "--block", "3", "--requests", "1,2", "--threads", "1", "--out", str(out)])
+    torch.set_num_threads(threads)
+    assert rc == 0
+    table = SpsTable.load(out)
+    assert [(r, row.batch_sizes) for r, row in table.by_requests] == [(1, (1, 2, 3)), (2, (2, 3, 4, 5, 6))]
+    assert json.loads(out.read_text())["by_requests"]["2"]["batch_sizes"] == [2, 3, 4, 5, 6]
+    assert main(["profile", "--target", str(tiny_target_dir), "--max-batch", "2", "--repeats", "1",
+                 "--context-length", "8", "--requests", "none", "--threads", "1", "--out", str(out)]) == 0
+    torch.set_num_threads(threads)
+    assert SpsTable.load(out).by_requests is None
+    assert main(["profile", "--target", str(tiny_target_dir), "--requests", "0,2"]) == 2
+    assert "--requests" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from dspark_core.cost_model import SpsTable, plot_sps, profile_sps, sps_callable
+from dspark_core.cost_model import SpsTable, monotone, plot_sps, profile_sps, sps_callable
 from dspark_core.errors import InvalidArgument
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -319,3 +319,48 @@ def test_monotone_removes_dips_in_step_time_and_keeps_rises():
     assert all(b >= a for a, b in zip(times, times[1:]))
     assert fit.device == "cpu" and fit.model == "m" and fit.batch_sizes == raw.batch_sizes
     assert monotone(fit) == fit  # already monotone: unchanged
+
+
+def _rows_table():
+    one = SpsTable(batch_sizes=(1, 8), steps_per_second=(100.0, 80.0))  # one request: 8 tokens cost 1.25 steps
+    four = SpsTable(batch_sizes=(4, 32), steps_per_second=(60.0, 30.0))
+    return SpsTable(batch_sizes=(1, 8, 32), steps_per_second=(100.0, 50.0, 30.0), by_requests=((1, one), (4, four)))
+
+
+def test_for_requests_reads_the_row_and_interpolates_step_time_between_rows():
+    t = _rows_table()
+    assert t.for_requests(1)(8) == 80.0  # the row: one request verifying 8 tokens
+    assert t(8) == 50.0  # B alone: 8 requests' worth of tokens
+    assert t.for_requests(4) is t.by_requests[1][1]
+    # R = 2 sits 1/3 of the way from R = 1 to R = 4: step times mix 2:1 at every B
+    mid = t.for_requests(2)
+    assert mid(8) == pytest.approx(1.0 / (2 / 3 * (1 / 80.0) + 1 / 3 * (1 / t.by_requests[1][1](8))))
+    assert mid.batch_sizes[0] == 2 and t.for_requests(2) is mid  # cached
+    assert t.for_requests(5) is t  # beyond the rows: the plain table
+    assert SpsTable(batch_sizes=(1,), steps_per_second=(9.0,)).for_requests(3)(3) == pytest.approx(3.0)
+
+
+def test_rows_survive_json_and_the_monotone_fit(tmp_path):
+    t = _rows_table()
+    t.save(tmp_path / "sps.json")
+    back = SpsTable.load(tmp_path / "sps.json")
+    assert back == t and back.for_requests(1)(8) == 80.0
+    dipping = SpsTable(batch_sizes=(1, 2, 3), steps_per_second=(10.0, 12.0, 8.0))
+    fitted = monotone(SpsTable(batch_sizes=(1,), steps_per_second=(10.0,), by_requests=((1, dipping),)))
+    assert fitted.by_requests[0][1].steps_per_second == monotone(dipping).steps_per_second
+    bad = json.loads(t.to_json())
+    bad["by_requests"]["1"]["steps_per_second"] = [1.0, -2.0]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(InvalidArgument, match=r"by_requests\[1\].steps_per_second"):
+        SpsTable.load(tmp_path / "bad.json")
+
+
+def test_causal_schedule_at_batch_one_admits_what_the_row_says_is_cheap():
+    from dspark_core.scheduling import causal_prefix_schedule
+
+    t = _rows_table()
+    conf = [[0.5] * 7]
+    # B alone says 8 tokens halve the step rate, so only 2 drafts of confidence 0.5 pay (tokens/s 100, 146, 150,
+    # then 147); the one-request row says 8 tokens cost 25% more than one, so 4 do (..., 171.4, 171.6, 168.7)
+    assert causal_prefix_schedule(conf, t) == [2]
+    assert causal_prefix_schedule(conf, t.for_requests(1)) == [4]

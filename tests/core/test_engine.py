@@ -114,3 +114,21 @@ def test_bad_requests_are_refused_with_the_field(target):
         EngineConfig(policy="fastest")
     with pytest.raises(InvalidArgument, match="SPS"):
         Engine(target, None, EngineConfig(policy="causal"))
+
+
+@pytest.mark.parametrize("policy", ["causal", "async"])
+def test_confidence_policies_read_the_sps_row_of_the_steps_request_count(tiny_target_dir, target, expected, policy):
+    from dspark_core.cost_model import SpsTable
+
+    # B alone: extra tokens cost more than they can return (B x SPS(B) < SPS(1) for every B > 1, so not even
+    # certain drafts pay); one request: tokens are free
+    plain = SpsTable(batch_sizes=(1, 2, 3, 8), steps_per_second=(100.0, 45.0, 20.0, 5.0))
+    one = SpsTable(batch_sizes=(1, 8), steps_per_second=(100.0, 100.0))
+    for table, drafts in ((plain, False), (SpsTable(batch_sizes=plain.batch_sizes,
+                                                    steps_per_second=plain.steps_per_second,
+                                                    by_requests=((1, one),)), True)):
+        drafter = OracleDrafter(tiny_target_dir, block_size=4, corrupt=0.3)
+        engine = Engine(target, drafter, EngineConfig(policy=policy), sps=table)
+        out = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+        assert out.output_ids == expected[0]
+        assert (sum(out.proposed_per_round) > 0) == drafts

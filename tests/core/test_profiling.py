@@ -32,3 +32,21 @@ def test_bad_max_sequences_is_named(tiny_target_dir):
     target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
     with pytest.raises(InvalidArgument, match="max_sequences"):
         VerifyStepBench(target, context_length=8, max_sequences=0)
+
+
+def test_requests_rows_put_the_tokens_on_exactly_r_sequences(tiny_target_dir, monkeypatch):
+    from dspark_core.profiling import requests_grid
+
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
+    bench = VerifyStepBench(target, context_length=16, block=4, max_sequences=8)
+    calls = []
+    real_forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda batch, **kw: (calls.append([len(t) for _, t in batch]),
+                                                                real_forward(batch, **kw))[1])
+    bench(8, requests=1)
+    bench(7, requests=2)
+    assert [c for c in calls if c != [16]] == [[8], [4, 3]]  # the plain spread would be 7 sequences of one
+    with pytest.raises(InvalidArgument, match="requests"):
+        bench(2, requests=3)
+    bench.close()
+    assert requests_grid([1, 4], block=8, points=5) == {1: [1, 3, 5, 7, 8], 4: [4, 11, 18, 25, 32]}
