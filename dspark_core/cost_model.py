@@ -163,6 +163,18 @@ class SpsTable:
         """Seconds per forward pass carrying `b` tokens: 1 / SPS(b)."""
         return 1.0 / self(b)
 
+    def with_overhead(self, seconds: float) -> "SpsTable":
+        """The curve of a step that also spends a fixed `seconds` outside the forward pass (drafting, the
+        engine's own work): SPS'(B) = 1 / (1 / SPS(B) + seconds) at every measured point. A fixed cost makes
+        extra verified tokens relatively cheaper, so a scheduler that ignores it admits too few."""
+        if not _is_real(seconds) or not math.isfinite(seconds) or seconds < 0:
+            raise InvalidArgument("overhead", seconds, "must be a finite number of seconds >= 0")
+        if seconds == 0:
+            return self
+        return SpsTable(batch_sizes=self.batch_sizes,
+                        steps_per_second=tuple(1.0 / (t + seconds) for t in self._step_times),
+                        device=self.device, dtype=self.dtype, context_length=self.context_length, model=self.model)
+
     def for_requests(self, r: int) -> "SpsTable":
         """SPS(B) of a pass that carries `r` requests' tokens (what a scheduler deciding one step knows).
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,6 +32,8 @@ from .verifier import PrefillItem, StepResult, Verifier, VerifyItem
 
 # Policies that need per-position confidences from the drafter.
 _CONFIDENCE_POLICIES = ("causal", "async", "threshold")
+# log-width of the buckets in which the drafting-time EMA shares a derived cost table (~5%)
+_OVERHEAD_BUCKET = 0.05
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class EngineConfig:
     # request whose output lands exactly on max_new_tokens runs one more round (its tokens are cut).
     # Reproduces DeepSpec's per-round accepted counts; costs at most one wasted round per request.
     deepspec_rounds: bool = False
+    # causal / async: count the measured drafting time as a fixed cost of every step in the SPS curve (only
+    # with an SpsTable); False = the verify pass alone, the paper's theta = tau x SPS(B)
+    count_draft_time: bool = True
 
     def __post_init__(self):
         if self.policy not in ("fixed", "causal", "async", "threshold", "gamma1", "ar"):
@@ -136,6 +142,8 @@ class Engine:
                                       f"needs a drafter with a confidence head; {drafter.name} has none")
         if config.policy in ("causal", "async") and sps is None:
             raise InvalidArgument("policy", config.policy, "needs the target's SPS cost table (run `dspark profile`)")
+        self._draft_seconds = 0.0
+        self._sps_cache: dict = {}
         self._policy = self._make_policy()
         self.waiting: list[RequestState] = []
         self.active: list[RequestState] = []
@@ -161,9 +169,26 @@ class Engine:
         return lambda confs: async_sched.schedule(confs, self._sps_for(len(confs)))
 
     def _sps_for(self, requests: int):
-        """The cost curve of a step carrying `requests` requests (a table's per-request row when it has one)."""
-        for_requests = getattr(self.sps, "for_requests", None)
-        return for_requests(requests) if for_requests is not None else self.sps
+        """The cost curve of this step: a table's row for `requests` requests when it has rows, plus the
+        step's fixed cost outside the forward pass (the drafter's recent time, `_draft_seconds`), so that
+        the policy maximises tokens per second of the whole step, not of the verify pass alone. The step
+        time is measured, never read from the drafts, so the decision stays independent of the draft tokens.
+        """
+        sps = self.sps
+        for_requests = getattr(sps, "for_requests", None)
+        if for_requests is None:
+            return sps
+        table = for_requests(requests)
+        if not self.config.count_draft_time or self._draft_seconds <= 0:
+            return table
+        # a few percent steps of overhead share one derived table per request count (the EMA moves every step)
+        key = (requests, round(math.log(self._draft_seconds) / _OVERHEAD_BUCKET))
+        cached = self._sps_cache.get(key)
+        if cached is None:
+            if len(self._sps_cache) > 256:
+                self._sps_cache.clear()
+            cached = self._sps_cache[key] = table.with_overhead(math.exp(key[1] * _OVERHEAD_BUCKET))
+        return cached
 
     # -- request lifecycle
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -284,7 +309,11 @@ class Engine:
                 state=r.draft_state, new_features=r.pending_features, new_positions_start=r.pending_start,
                 new_tokens=r.pending_tokens, anchor=r.anchor, anchor_pos=r.anchor_pos,
                 temperature=r.params.temperature, generator=r.draft_generator))
+        start = time.perf_counter()
         proposals = self.drafter.propose(items)
+        elapsed = time.perf_counter() - start
+        # exponential moving average of the drafting time per step (the scheduler's fixed per-step cost)
+        self._draft_seconds = elapsed if self._draft_seconds <= 0 else 0.8 * self._draft_seconds + 0.2 * elapsed
         gamma = self.block_size
         confs = []
         for p in proposals:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dspark_cli.models import default_target, load_stack, models_dir
+from dspark_core.cost_model import SpsTable
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.sampling import SamplingParams
 from dspark_core.text import encode_prompt
@@ -41,8 +42,8 @@ class Timed:
         return out
 
 
-def decode(target, drafter, ids, params, policy):
-    engine = Engine(target, drafter, EngineConfig(policy=policy))
+def decode(target, drafter, ids, params, policy, sps=None):
+    engine = Engine(target, drafter, EngineConfig(policy=policy), sps=sps)
     verify = engine.verifier.verify = Timed(engine.verifier.verify)
     propose = None
     if drafter is not None:
@@ -81,12 +82,14 @@ def main() -> None:
     for name in ("mbpp", "livecodebench"):
         prompts += split(load_prompts(DATA / f"{name}.jsonl"), 0.2)[1][: (args.prompts + 1) // 2]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
+    sps_path = Path(default_target()) / "sps.json"
+    sps = SpsTable.load(sps_path) if sps_path.is_file() else None  # the causal / async policies need it
     ar, sd = [], []
-    decode(target, drafter, encode_prompt(target.tokenizer, prompts[0].text), params, args.policy)  # warm-up
+    decode(target, drafter, encode_prompt(target.tokenizer, prompts[0].text), params, args.policy, sps)  # warm-up
     for p in prompts[: args.prompts]:
         ids = encode_prompt(target.tokenizer, p.text)
         ar.append(decode(target, None, ids, params, "ar"))
-        sd.append(decode(target, drafter, ids, params, args.policy))
+        sd.append(decode(target, drafter, ids, params, args.policy, sps))
     med = statistics.median
     step_ar = med([t for r in ar for t in r["verify"]])
     verify = med([t for r in sd for t in r["verify"]])

@@ -142,6 +142,15 @@ def test_interpolation_along_gamma1_curve():
     # a curve that comes back (throughput peaks, then falls): the best per-user speed at that throughput
     assert interpolate_curve([(10.0, 10.0), (30.0, 6.0), (20.0, 2.0)], 25.0) == pytest.approx(7.0)
     assert interpolate_curve([(10.0, 10.0), (30.0, 6.0)], 31.0) is None
+    # read from gamma1's side: the best causal per-user speed at no less throughput
+    from dspark_core.benchmark import at_least_matched_speedup, same_concurrency_speedup
+
+    assert at_least_matched_speedup(results) == {"1": pytest.approx(14.0 / 10.0, abs=1e-4), "2": pytest.approx(12.0 / 9.0, abs=1e-4),
+                                                 "4": pytest.approx(10.0 / 7.5, abs=1e-4)}
+    assert at_least_matched_speedup(results + [{"policy": "gamma1", "concurrency": 8, "aggregate_tokens_per_s": 50.0,
+                                                "per_user_tokens_per_s": 6.0}])["8"] is None
+    assert same_concurrency_speedup(results) == {"1": 1.4, "2": pytest.approx(12.0 / 9.0, abs=1e-4),
+                                                 "4": pytest.approx(10.0 / 7.5, abs=1e-4)}
 
 
 @pytest.mark.parametrize("text", ["0", "1,x", "", "2,2", "-1"])

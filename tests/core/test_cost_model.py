@@ -364,3 +364,12 @@ def test_causal_schedule_at_batch_one_admits_what_the_row_says_is_cheap():
     # then 147); the one-request row says 8 tokens cost 25% more than one, so 4 do (..., 171.4, 171.6, 168.7)
     assert causal_prefix_schedule(conf, t) == [2]
     assert causal_prefix_schedule(conf, t.for_requests(1)) == [4]
+
+
+def test_with_overhead_adds_a_fixed_step_time():
+    t = SpsTable(batch_sizes=(1, 8), steps_per_second=(100.0, 50.0))
+    slow = t.with_overhead(0.01)
+    assert slow(1) == pytest.approx(50.0) and slow(8) == pytest.approx(1 / 0.03)
+    assert t.with_overhead(0) is t
+    with pytest.raises(InvalidArgument, match="overhead"):
+        t.with_overhead(-1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -128,7 +130,29 @@ def test_confidence_policies_read_the_sps_row_of_the_steps_request_count(tiny_ta
                                                     steps_per_second=plain.steps_per_second,
                                                     by_requests=((1, one),)), True)):
         drafter = OracleDrafter(tiny_target_dir, block_size=4, corrupt=0.3)
-        engine = Engine(target, drafter, EngineConfig(policy=policy), sps=table)
+        engine = Engine(target, drafter, EngineConfig(policy=policy, count_draft_time=False), sps=table)
         out = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
         assert out.output_ids == expected[0]
         assert (sum(out.proposed_per_round) > 0) == drafts
+
+
+@pytest.mark.parametrize("policy", ["causal", "async"])
+def test_drafting_time_counts_as_a_fixed_cost_of_the_step(tiny_target_dir, target, expected, policy):
+    from dspark_core.cost_model import SpsTable
+
+    class SlowOracle(OracleDrafter):
+        def propose(self, items):
+            time.sleep(0.05)  # a drafter that costs five forward passes of the table below
+            return super().propose(items)
+
+    # each token past the first costs as much as the first: worth it only when the step has a fixed cost
+    # (tokens/s of the pass alone: 100 at B = 1, at most 2 x 50 = 100 at B = 2 with certain drafts)
+    table = SpsTable(batch_sizes=(1, 2, 3, 8), steps_per_second=(100.0, 50.0, 100 / 3, 12.5))
+    proposed = {}
+    for count in (False, True):
+        engine = Engine(target, SlowOracle(tiny_target_dir, block_size=4, corrupt=0.0),
+                        EngineConfig(policy=policy, count_draft_time=count), sps=table)
+        out = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+        assert out.output_ids == expected[0]
+        proposed[count] = sum(out.proposed_per_round)
+    assert proposed[False] == 0 < proposed[True]
