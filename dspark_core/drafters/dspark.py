@@ -169,19 +169,17 @@ class DSparkDrafter(ParallelBackbone):
         state = markov.start(hidden[:, 0]) if markov is not None else None
         prev = anchors  # [B]
         logits_out, tokens, prevs, confs, gconfs, sup_ids, sup_probs = [], [], [], [], [], [], []
+        prev_embs = []
         for k in range(gamma):
             if teacher_prev is not None:
                 prev = teacher_prev[:, k]
             prevs.append(prev)
             prev_emb = markov.embed(prev) if markov is not None else None  # [B, r]
+            prev_embs.append(prev_emb)
             logits = base_logits[:, k]  # [B, V]
             if markov is not None:
                 bias, state = markov.step(hidden[:, k], prev_emb, state)
                 logits = logits + bias
-            if conf_head is not None:
-                c, g = conf_head.both(hidden[:, k], prev_emb)  # [B] each (g None without a greedy output)
-                confs.append(c)
-                gconfs.append(g)
             choice = choose_tokens(logits, temperatures, None if uniforms is None else uniforms[:, k],
                                    self.support_size)
             logits_out.append(logits)
@@ -189,6 +187,11 @@ class DSparkDrafter(ParallelBackbone):
             sup_ids.append(choice.support_ids)
             sup_probs.append(choice.support_probs)
             prev = choice.tokens
+        if conf_head is not None:
+            # c_k reads h_k and W1[x_{k-1}] only, never the token chosen at k: all slots in one pass, after
+            # the loop ([B, gamma] each; g None without a greedy output)
+            c, g = conf_head.both(hidden, torch.stack(prev_embs, dim=1) if markov is not None else None)
+            confs, gconfs = list(c.unbind(1)), [None] * gamma if g is None else list(g.unbind(1))
         sampled = sup_ids[0] is not None
         return BlockDraft(
             hidden=hidden,

@@ -98,8 +98,19 @@ class ConfidenceHead(nn.Module):
         return self.both(h, prev_emb)[0]
 
     def both(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (sampled-regime logit [B], greedy logit [B] or None without a greedy output)."""
+        """h [..., H], prev_emb [..., r] -> (sampled-regime logit [...], greedy logit [...] or None without a
+        greedy output)."""
         x = torch.cat((h, prev_emb), dim=-1) if self.with_markov else h
         if self.greedy is None:
             return self.proj(x).squeeze(-1), None
+        if not self.training and not torch.is_grad_enabled():  # inference: one [2, in] matmul for both
+            key = tuple((p.data_ptr(), p._version) for p in (self.proj.weight, self.greedy.weight,
+                                                            self.proj.bias, self.greedy.bias))
+            cache = self.__dict__.get("_fused_cache")
+            if cache is None or cache[0] != key:
+                cache = self.__dict__["_fused_cache"] = (
+                    key, torch.cat((self.proj.weight, self.greedy.weight)).detach(),
+                    torch.cat((self.proj.bias, self.greedy.bias)).detach())
+            c, g = torch.nn.functional.linear(x, cache[1], cache[2]).unbind(-1)
+            return c, g
         return self.proj(x).squeeze(-1), self.greedy(x).squeeze(-1)
