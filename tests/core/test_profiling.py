@@ -11,13 +11,19 @@ from dspark_core.target import TargetConfig, TargetRuntime
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_tokens_spread_one_per_sequence_then_evenly(tiny_target_dir, monkeypatch):
-    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
-    bench = VerifyStepBench(target, context_length=16, block=4, max_sequences=3)
+def record_forward_calls(target, monkeypatch) -> list[list[int]]:
+    """Token counts per sequence of every `target.forward` call from now on (the calls still run)."""
     calls = []
     real_forward = target.forward
     monkeypatch.setattr(target, "forward", lambda batch, **kw: (calls.append([len(t) for _, t in batch]),
                                                                 real_forward(batch, **kw))[1])
+    return calls
+
+
+def test_tokens_spread_one_per_sequence_then_evenly(tiny_target_dir, monkeypatch):
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
+    bench = VerifyStepBench(target, context_length=16, block=4, max_sequences=3)
+    calls = record_forward_calls(target, monkeypatch)
     for b in (1, 2, 3, 4, 7, 13):
         bench(b)
     # prefill calls (16 tokens each) interleave; keep the timed steps only
@@ -39,10 +45,7 @@ def test_requests_rows_put_the_tokens_on_exactly_r_sequences(tiny_target_dir, mo
 
     target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
     bench = VerifyStepBench(target, context_length=16, block=4, max_sequences=8)
-    calls = []
-    real_forward = target.forward
-    monkeypatch.setattr(target, "forward", lambda batch, **kw: (calls.append([len(t) for _, t in batch]),
-                                                                real_forward(batch, **kw))[1])
+    calls = record_forward_calls(target, monkeypatch)
     bench(8, requests=1)
     bench(7, requests=2)
     assert [c for c in calls if c != [16]] == [[8], [4, 3]]  # the plain spread would be 7 sequences of one
