@@ -312,14 +312,15 @@ class Engine:
         start = time.perf_counter()
         proposals = self.drafter.propose(items)
         elapsed = time.perf_counter() - start
-        # exponential moving average of the drafting time per step (the scheduler's fixed per-step cost)
-        self._draft_seconds = elapsed if self._draft_seconds <= 0 else 0.8 * self._draft_seconds + 0.2 * elapsed
         gamma = self.block_size
         confs = []
         for p in proposals:
             c = p.confidences
             confs.append([1.0] * len(p.tokens[:gamma]) if c is None else c[:gamma].tolist())
         lengths = self._policy(confs)
+        # exponential moving average of the drafting time per step (the policies' fixed per-step cost), updated
+        # after this step's schedule: a decision only ever sees earlier steps' timings
+        self._draft_seconds = elapsed if self._draft_seconds <= 0 else 0.8 * self._draft_seconds + 0.2 * elapsed
         blocks = []
         for r, p, l in zip(reqs, proposals, lengths):
             # the verify block must fit in the context window: anchor + l drafts
