@@ -168,8 +168,7 @@ class DSparkDrafter(ParallelBackbone):
         markov, conf_head = self.markov_head, self.confidence_head
         state = markov.start(hidden[:, 0]) if markov is not None else None
         prev = anchors  # [B]
-        logits_out, tokens, prevs, confs, gconfs, sup_ids, sup_probs = [], [], [], [], [], [], []
-        prev_embs = []
+        logits_out, tokens, prevs, prev_embs, sup_ids, sup_probs = [], [], [], [], [], []
         for k in range(gamma):
             if teacher_prev is not None:
                 prev = teacher_prev[:, k]
@@ -187,11 +186,11 @@ class DSparkDrafter(ParallelBackbone):
             sup_ids.append(choice.support_ids)
             sup_probs.append(choice.support_probs)
             prev = choice.tokens
+        conf = greedy_conf = None
         if conf_head is not None:
             # c_k reads h_k and W1[x_{k-1}] only, never the token chosen at k: all slots in one pass, after
-            # the loop ([B, gamma] each; g None without a greedy output)
-            c, g = conf_head.both(hidden, torch.stack(prev_embs, dim=1) if markov is not None else None)
-            confs, gconfs = list(c.unbind(1)), [None] * gamma if g is None else list(g.unbind(1))
+            # the loop ([B, gamma] each; the greedy one None without a greedy output)
+            conf, greedy_conf = conf_head.both(hidden, torch.stack(prev_embs, dim=1) if markov is not None else None)
         sampled = sup_ids[0] is not None
         return BlockDraft(
             hidden=hidden,
@@ -199,10 +198,10 @@ class DSparkDrafter(ParallelBackbone):
             logits=torch.stack(logits_out, dim=1),
             tokens=torch.stack(tokens, dim=1),
             prev_tokens=torch.stack(prevs, dim=1),
-            confidence_logits=torch.stack(confs, dim=1) if confs else None,
+            confidence_logits=conf,
             support_ids=torch.stack(sup_ids, dim=1) if sampled else None,
             support_probs=torch.stack(sup_probs, dim=1) if sampled else None,
-            greedy_confidence_logits=torch.stack(gconfs, dim=1) if gconfs and gconfs[0] is not None else None,
+            greedy_confidence_logits=greedy_conf,
         )
 
     # ---- training-time forward --------------------------------------------------------------------
