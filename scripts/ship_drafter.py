@@ -7,6 +7,7 @@ calibration (if any), and the run's training card as the model card.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,14 @@ def main() -> None:
     for name in ("config.json", "calibration.json"):
         if (final / name).exists():
             shutil.copy(final / name, out / name)
+    # a run records the target by the absolute path it was given; a shipped drafter names it relative to the
+    # repository root (models/target), so the checkout can live anywhere
+    config = json.loads((out / "config.json").read_text())
+    target = config.get("target_model_name_or_path")
+    root = Path(args.models_dir).resolve().parent
+    if isinstance(target, str) and Path(target).is_absolute() and Path(target).resolve().is_relative_to(root):
+        config["target_model_name_or_path"] = str(Path(target).resolve().relative_to(root))
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in ("training_card.json",):
         if (run / name).exists():
             shutil.copy(run / name, out / name)
