@@ -165,11 +165,12 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
             if rid not in self.verifier:
                 del self.last_used[rid]  # freed some other way
             elif t < cutoff:
+                # counted before the release: whoever sees the request gone also sees it counted
+                metrics.VERIFIER_EXPIRED.inc()
                 self.verifier.release(rid)
                 del self.last_used[rid]
                 expired.append(rid)
         if expired:
-            metrics.VERIFIER_EXPIRED.inc(len(expired))
             metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
         return expired
 
