@@ -43,15 +43,9 @@ def add_parser(sub) -> None:
 
 
 def _requests(text: str) -> list[int]:
-    if text.strip().lower() == "none":
-        return []
-    try:
-        rs = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
-    except ValueError:
-        rs = [0]
-    if not rs or rs[0] < 1:
-        raise InvalidArgument("--requests", text, "must be request counts >= 1, e.g. 1,2,4,8, or 'none'")
-    return rs
+    from dspark_core.benchmark import parse_int_list
+
+    return [] if text.strip().lower() == "none" else sorted(parse_int_list(text, "--requests"))
 
 
 def run(args) -> int:

@@ -108,8 +108,7 @@ class SpsTable:
             object.__setattr__(self, "context_length", int(self.context_length))
         object.__setattr__(self, "_step_times", tuple(1.0 / s for s in self.steps_per_second))
         if self.by_requests is not None:
-            rows = tuple((r, t) for r, t in (self.by_requests.items() if isinstance(self.by_requests, dict)
-                                             else self.by_requests))
+            rows = tuple(self.by_requests)
             for i, (r, t) in enumerate(rows):
                 if not _is_int(r) or r < 1 or (i and r <= rows[i - 1][0]):
                     raise InvalidArgument("by_requests", r, "must be increasing request counts >= 1")

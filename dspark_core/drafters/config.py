@@ -328,11 +328,14 @@ def parse_calibration(block: object) -> tuple[float, ...]:
     method = block.get("method", "sts")
     if method != "sts":
         raise InvalidArgument("calibration.method", method, "must be 'sts'")
-    temps = block.get("temperatures")
+    return _temperature_list("calibration.temperatures", block.get("temperatures"))
+
+
+def _temperature_list(name: str, temps: object) -> tuple[float, ...]:
     if not isinstance(temps, list) or not temps:
-        raise InvalidArgument("calibration.temperatures", temps, "must be a non-empty list of numbers")
+        raise InvalidArgument(name, temps, "must be a non-empty list of numbers")
     for t in temps:
-        _require_positive_float("calibration.temperatures", t)
+        _require_positive_float(name, t)
     return tuple(float(t) for t in temps)
 
 
@@ -341,12 +344,8 @@ def parse_greedy_calibration(block: Mapping) -> tuple[float, ...] | None:
     greedy = block.get("greedy")
     if greedy is None:
         return None
-    temps = greedy.get("temperatures") if isinstance(greedy, Mapping) else None
-    if not isinstance(temps, list) or not temps:
-        raise InvalidArgument("calibration.greedy.temperatures", temps, "must be a non-empty list of numbers")
-    for t in temps:
-        _require_positive_float("calibration.greedy.temperatures", t)
-    return tuple(float(t) for t in temps)
+    return _temperature_list("calibration.greedy.temperatures",
+                             greedy.get("temperatures") if isinstance(greedy, Mapping) else None)
 
 
 def _read_json(path: Path) -> dict:

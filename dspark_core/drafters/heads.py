@@ -17,9 +17,11 @@ Parameter names equal DeepSpec's (`markov_head.markov_w1`, `.markov_w2`, `.gate_
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark_core.drafters.config import DrafterConfig
+from dspark_core.drafters.layers import _fused_weight, _inference
 
 
 class VanillaMarkovHead(nn.Module):
@@ -103,14 +105,8 @@ class ConfidenceHead(nn.Module):
         x = torch.cat((h, prev_emb), dim=-1) if self.with_markov else h
         if self.greedy is None:
             return self.proj(x).squeeze(-1), None
-        if not self.training and not torch.is_grad_enabled():  # inference: one [2, in] matmul for both
-            key = tuple((p.data_ptr(), p._version) for p in (self.proj.weight, self.greedy.weight,
-                                                            self.proj.bias, self.greedy.bias))
-            cache = self.__dict__.get("_fused_cache")
-            if cache is None or cache[0] != key:
-                cache = self.__dict__["_fused_cache"] = (
-                    key, torch.cat((self.proj.weight, self.greedy.weight)).detach(),
-                    torch.cat((self.proj.bias, self.greedy.bias)).detach())
-            c, g = torch.nn.functional.linear(x, cache[1], cache[2]).unbind(-1)
+        if _inference(self):  # one [2, in] matmul for both
+            weight, bias = _fused_weight(self, (self.proj, self.greedy))
+            c, g = F.linear(x, weight, bias).unbind(-1)
             return c, g
         return self.proj(x).squeeze(-1), self.greedy(x).squeeze(-1)

@@ -210,7 +210,7 @@ def drafter_config_for_target(target, config: TrainConfig) -> DrafterConfig:
         mask_token_id=mask_token_for(target.tokenizer, target.vocab_size), num_anchors=config.num_anchors,
         markov_rank=rank, markov_head_type="rnn" if config.kind == "dspark-rnn" else "vanilla",
         enable_confidence_head=config.kind != "dflash", confidence_head_with_markov=True,
-        greedy_confidence_head=config.greedy_confidence and config.kind != "dflash", **common)
+        greedy_confidence_head=config.greedy_confidence, **common)
 
 
 def set_trainable(drafter: nn.Module, which: str = "all") -> nn.Module:
@@ -257,10 +257,10 @@ def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:
             raise InvalidArgument("init_from", str(path), f"has {name} {getattr(a, name, None)!r}, this run "
                                                           f"needs {getattr(b, name, None)!r}")
     theirs, ours = src.state_dict(), drafter.state_dict()
-    added = set()  # a greedy confidence output this run adds to a checkpoint without one: starts as a copy
     if b.greedy_confidence_head and not a.greedy_confidence_head:
-        added = {k for k in ours if k.startswith("confidence_head.greedy.")}
-        theirs = {**theirs, **{k: theirs[k.replace(".greedy.", ".proj.")] for k in added}}
+        # a greedy confidence output this run adds to a checkpoint without one starts as a copy of the head
+        theirs = {**theirs, **{k: theirs[k.replace(".greedy.", ".proj.")] for k in ours
+                               if k.startswith("confidence_head.greedy.")}}
     if set(theirs) != set(ours):
         diff = sorted(set(theirs) ^ set(ours))
         raise InvalidArgument("init_from", str(path), f"holds other tensors than this drafter ({', '.join(diff[:4])})")
