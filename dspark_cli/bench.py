@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
                         "without it, causal/async are skipped with a warning when TARGET/sps.json is missing")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="drafter matmuls: auto (bf16 weights on CPUs with native bf16, else the drafter dtype), float32 "
+                        "(exact), bfloat16 (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="also write the JSON object to this file")
     p.add_argument("--plot", default=None, metavar="OUT.png",
@@ -181,7 +184,7 @@ def run(args) -> int:
     _quiet_transformers()
     target_dir = args.target or default_target()
     drafter_path = resolve_drafter_path(args.drafter, args.drafter_path)
-    target, drafter = load_stack(target_dir, drafter_path, args.device, args.dtype)
+    target, drafter = load_stack(target_dir, drafter_path, args.device, args.dtype, args.drafter_matmul_dtype)
     prompts, source = load_prompt_list(args, target)
     warnings: list[str] = []
     wants_sps = any(p in ("causal", "async") for p in settings.policies)

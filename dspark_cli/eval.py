@@ -38,6 +38,9 @@ def add_common_args(p, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed; request i uses its own stream (default 0)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="drafter matmuls: auto (bf16 weights on CPUs with native bf16, else the drafter dtype), float32 "
+                        "(exact), bfloat16 (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -117,7 +120,8 @@ def load_models(args):
     if path is None:
         raise InvalidArgument("--drafter", None, "is required (a shipped name or --drafter-path DIR)")
     _quiet_transformers()
-    target, drafter = load_stack(args.target or default_target(), path, args.device, args.dtype)
+    target, drafter = load_stack(args.target or default_target(), path, args.device, args.dtype,
+                                 args.drafter_matmul_dtype)
     return target, drafter, path
 
 
@@ -158,6 +162,7 @@ def parse_support_size(value, vocab_size: int) -> int | None:
 def run(args) -> int:
     import torch
 
+    from dspark_core.drafters.layers import matmul_dtype_name
     from dspark_core.evaluation import resize_block, rollouts_json, run_rounds, summarize
 
     check_common(args)
@@ -189,6 +194,7 @@ def run(args) -> int:
         "skipped_prompts": log.skipped_prompts, "seed": args.seed,
         **summarize(log, gamma),
         "support_size": drafter.support_size, "vocab_size": drafter.vocab_size,
+        "drafter_matmul_dtype": matmul_dtype_name(drafter),
         "support_note": TRUNCATION_NOTE.format(k=drafter.support_size),
         "calibration_temperatures": list(drafter.config.sts_temperatures) if drafter.has_confidence else None,
         "wall_s": round(wall, 3),

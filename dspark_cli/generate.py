@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default auto)")
+    p.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="drafter matmuls: auto (bf16 weights on CPUs with native bf16, else the drafter dtype), float32 "
+                        "(exact), bfloat16 (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -88,7 +91,8 @@ def run(args) -> int:
     params = sampling_params(args)  # validate before loading anything
     _quiet_transformers()
     target, drafter = load_stack(args.target or default_target(),
-                                 resolve_drafter_path(args.drafter, args.drafter_path), args.device, args.dtype)
+                                 resolve_drafter_path(args.drafter, args.drafter_path), args.device, args.dtype,
+                                 args.drafter_matmul_dtype)
     params = sampling_params(args, stop_token_ids=target.eos_token_ids)
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else encode_prompt(
         target.tokenizer, args.prompt, args.raw)

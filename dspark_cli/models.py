@@ -35,7 +35,8 @@ def resolve_drafter_path(name: str | None, path: str | None) -> str | None:
     return str(p)
 
 
-def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto"):
+def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto",
+               drafter_matmul_dtype: str = "auto"):
     """Load the drafter (if any) first: its config says which target layers to tap."""
     from dspark_core.target import TargetConfig, TargetRuntime
 
@@ -46,7 +47,8 @@ def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", 
         from dspark_core.target import resolve_device, resolve_dtype
 
         dev = resolve_device(device)
-        drafter = load_drafter(drafter_path, device=dev, dtype=resolve_dtype(dtype, dev))
+        drafter = load_drafter(drafter_path, device=dev, dtype=resolve_dtype(dtype, dev),
+                               matmul_dtype=drafter_matmul_dtype)
         taps = tuple(drafter.target_layer_ids)
     target = TargetRuntime(TargetConfig(model_dir=target_dir, device=device, dtype=dtype, tap_layer_ids=taps))
     if drafter is not None and target.vocab_size != drafter.vocab_size:

@@ -23,7 +23,15 @@ from torch import nn
 
 from dspark_core.drafters.config import DrafterConfig
 from dspark_core.drafters.kv_cache import KVCache, pad_caches
-from dspark_core.drafters.layers import DecoderLayer, RMSNorm, rope_cos_sin
+from dspark_core.drafters.layers import DecoderLayer, Linear, RMSNorm, RopeTable
+
+
+def _fill_room(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Write the block's k, v [B, kv, n, d] into the last n rows of keys / values; return them."""
+    n = k.shape[2]
+    keys[:, :, -n:] = k
+    values[:, :, -n:] = v
+    return keys, values
 
 
 class ParallelBackbone(nn.Module):
@@ -34,12 +42,13 @@ class ParallelBackbone(nn.Module):
         # [V, H]
         self.embed_tokens = nn.Embedding(v, h)
         # [H, L * H]
-        self.fc = nn.Linear(config.feature_size, h, bias=False)
+        self.fc = Linear(config.feature_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         # [V, H]
-        self.lm_head = nn.Linear(h, v, bias=False)
+        self.lm_head = Linear(h, v, bias=False)
+        self._rope = RopeTable(config.head_dim, config.rope_theta)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -50,7 +59,7 @@ class ParallelBackbone(nn.Module):
         return self.fc.weight.device
 
     def _cos_sin(self, positions: torch.Tensor):
-        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self._dtype)
+        return self._rope(positions, self._dtype)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """features [..., L * H] -> ctx [..., H]."""
@@ -91,11 +100,12 @@ class ParallelBackbone(nn.Module):
         like = x.new_empty(self.config.num_key_value_heads, 0, self.config.head_dim)
         mask = None
         for li, layer in enumerate(self.layers):
-            past_k, past_v, valid = pad_caches(caches, li, like)  # [B, kv, L_max, d], valid [B, L_max]
+            # [B, kv, L_max + gamma, d] with the last gamma rows free for the block's own keys/values
+            keys, values, valid = pad_caches(caches, li, like, room=gamma)
             if valid is not None and mask is None:
                 block = torch.ones(b, gamma, dtype=torch.bool, device=self._device)
                 mask = torch.cat((valid, block), dim=1)[:, None, None, :]  # [B, 1, 1, L_max + gamma]
-            x, _, _ = layer(x, cos, sin, past_k, past_v, mask)
+            x, _, _ = layer.forward_joined(x, cos, sin, lambda k, v: _fill_room(keys, values, k, v), mask)
         return self.norm(x)
 
     # ---- training-time forward ------------------------------------------------------------------

@@ -23,10 +23,36 @@ from dspark_core.drafters.config import DrafterConfig, load_config, save_config
 from dspark_core.drafters.dflash import DFlashDrafter
 from dspark_core.drafters.dspark import DSparkDrafter
 from dspark_core.drafters.eagle3 import Eagle3Drafter
-from dspark_core.errors import ModelLoadError
+from dspark_core.drafters.layers import set_matmul_dtype
+from dspark_core.errors import InvalidArgument, ModelLoadError
 
 WEIGHTS_FILE = "model.safetensors"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never stored by DeepSpec but harmless
+
+
+MATMUL_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 matmuls are emulated
+    and slower than float32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def resolve_matmul_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a drafter's larger inference matmuls run in (None: its own dtype).
+
+    `auto`: bfloat16 for a float32 drafter on a CPU with native bf16 (the weight traffic halves; drafts only
+    move acceptance, never what the target commits), otherwise the drafter's dtype. `float32` keeps every
+    matmul exact (DeepSpec's numbers to the last bit), `bfloat16` forces bf16 weights."""
+    if name not in MATMUL_DTYPES:
+        raise InvalidArgument("drafter_matmul_dtype", name, f"must be one of {', '.join(MATMUL_DTYPES)}")
+    if name == "auto":
+        use_bf16 = torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_has_native_bf16()
+        return torch.bfloat16 if use_bf16 else None
+    want = torch.bfloat16 if name == "bfloat16" else torch.float32
+    return None if want == dtype else want
 
 
 def build_drafter(config: DrafterConfig, support_size: int = DEFAULT_SUPPORT_SIZE, name: str | None = None):
@@ -40,9 +66,12 @@ def _shape(t) -> list[int]:
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 support_size: int = DEFAULT_SUPPORT_SIZE):
-    """Load a DeepSpec-format drafter folder (frozen, eval mode); raises ModelLoadError naming the path and the problem."""
+                 support_size: int = DEFAULT_SUPPORT_SIZE, matmul_dtype: str = "auto"):
+    """Load a DeepSpec-format drafter folder (frozen, eval mode); raises ModelLoadError naming the path and the problem.
+
+    `matmul_dtype` (auto, float32, bfloat16): see `resolve_matmul_dtype`; the weights themselves stay in `dtype`."""
     path = Path(path)
+    low = resolve_matmul_dtype(matmul_dtype, torch.device(device), dtype)
     config = load_config(path)
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
@@ -78,6 +107,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
             raise ModelLoadError(f"{weights_path}: tensor '{name}' has dtype {tensors[name].dtype}, expected floating")
     state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
+    set_matmul_dtype(model, low)
     return model.requires_grad_(False).eval()  # serving: frozen; a trainer re-enables what it trains
 
 

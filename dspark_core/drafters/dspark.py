@@ -28,7 +28,7 @@ from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE, Proposal, ProposeIte
 from dspark_core.drafters.config import ARCH_DSPARK, DrafterConfig
 from dspark_core.drafters.heads import ConfidenceHead, build_markov_head
 from dspark_core.drafters.kv_cache import KVCache
-from dspark_core.drafters.sampling import choose_tokens
+from dspark_core.drafters.sampling import TokenChooser
 from dspark_core.errors import InvalidArgument
 
 
@@ -115,15 +115,19 @@ class DSparkDrafter(ParallelBackbone):
     @torch.no_grad()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = self.draft(items)
-        dev = out.tokens.device
-        temps = torch.tensor(self.config.sts_temperatures, dtype=torch.float32, device=dev)
-        conf_logits = None if out.confidence_logits is None else out.confidence_logits.float()  # [B, gamma]
+        conf_logits, temps = out.confidence_logits, self._sts_tensor(self.config.sts_temperatures)
         if out.greedy_confidence_logits is not None:
             # temperature-0 requests are accepted by argmax agreement: their confidences come from the greedy
             # output with its own calibration
-            greedy = torch.tensor([it.temperature == 0 for it in items], device=dev)[:, None]
-            conf_logits = torch.where(greedy, out.greedy_confidence_logits.float(), conf_logits)
-            temps = torch.where(greedy, torch.tensor(self.config.sts_temperatures_greedy, device=dev), temps)
+            greedy = [it.temperature == 0 for it in items]
+            if all(greedy):
+                conf_logits, temps = out.greedy_confidence_logits, self._sts_tensor(self.config.sts_temperatures_greedy)
+            elif any(greedy):
+                rows = torch.tensor(greedy, device=conf_logits.device)[:, None]
+                conf_logits = torch.where(rows, out.greedy_confidence_logits, conf_logits)
+                temps = torch.where(rows, self._sts_tensor(self.config.sts_temperatures_greedy), temps)
+        if conf_logits is not None:
+            conf_logits = conf_logits.float()  # [B, gamma]
         confidences = None if conf_logits is None else torch.sigmoid(conf_logits / temps)
         proposals = []
         for i, (it, toks) in enumerate(zip(items, out.tokens.tolist())):
@@ -136,6 +140,15 @@ class DSparkDrafter(ParallelBackbone):
                 confidence_logits=None if conf_logits is None else conf_logits[i],
             ))
         return proposals
+
+    def _sts_tensor(self, temperatures: tuple[float, ...]) -> torch.Tensor:
+        """[gamma] float32 tensor of STS temperatures on the drafter's device (cached per tuple)."""
+        cache = self.__dict__.setdefault("_sts_cache", {})
+        if temperatures not in cache:
+            if len(cache) > 8:
+                cache.clear()
+            cache[temperatures] = torch.tensor(temperatures, dtype=torch.float32, device=self._device)
+        return cache[temperatures]
 
     # ---- the round, in steps ----------------------------------------------------------------------
 
@@ -169,6 +182,7 @@ class DSparkDrafter(ParallelBackbone):
         state = markov.start(hidden[:, 0]) if markov is not None else None
         prev = anchors  # [B]
         logits_out, tokens, prevs, prev_embs, sup_ids, sup_probs = [], [], [], [], [], []
+        choose = TokenChooser(temperatures, self.support_size, base_logits.shape[-1])
         for k in range(gamma):
             if teacher_prev is not None:
                 prev = teacher_prev[:, k]
@@ -179,8 +193,7 @@ class DSparkDrafter(ParallelBackbone):
             if markov is not None:
                 bias, state = markov.step(hidden[:, k], prev_emb, state)
                 logits = logits + bias
-            choice = choose_tokens(logits, temperatures, None if uniforms is None else uniforms[:, k],
-                                   self.support_size)
+            choice = choose(logits, None if uniforms is None else uniforms[:, k])
             logits_out.append(logits)
             tokens.append(choice.tokens)
             sup_ids.append(choice.support_ids)

@@ -32,8 +32,8 @@ from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE, Proposal, ProposeIte
 from dspark_core.drafters.config import ARCH_EAGLE3, DrafterConfig
 from dspark_core.drafters.dspark import _check_support_size
 from dspark_core.drafters.kv_cache import KVCache, pad_caches
-from dspark_core.drafters.layers import MLP, Attention, RMSNorm, rope_cos_sin
-from dspark_core.drafters.sampling import choose_tokens
+from dspark_core.drafters.layers import MLP, Attention, Linear, RMSNorm, RopeTable
+from dspark_core.drafters.sampling import TokenChooser
 from dspark_core.errors import InvalidArgument
 
 
@@ -95,11 +95,12 @@ class Eagle3Drafter(nn.Module):
         # [V, H]
         self.embed_tokens = nn.Embedding(v, h)
         # [H, L * H]
-        self.fc = nn.Linear(config.feature_size, h, bias=False)
+        self.fc = Linear(config.feature_size, h, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(config)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
         # [V, H]
-        self.lm_head = nn.Linear(h, v, bias=False)
+        self.lm_head = Linear(h, v, bias=False)
+        self._rope = RopeTable(config.head_dim, config.rope_theta)
         self.name = name or "eagle3"
         self.support_size = min(support_size, config.vocab_size)
 
@@ -123,7 +124,7 @@ class Eagle3Drafter(nn.Module):
         return self.fc.weight.device
 
     def _cos_sin(self, positions):
-        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.fc.weight.dtype)
+        return self._rope(positions, self.fc.weight.dtype)
 
     def _empty_kv(self) -> torch.Tensor:
         return self.fc.weight.new_empty(self.config.num_key_value_heads, 0, self.config.head_dim)
@@ -191,6 +192,7 @@ class Eagle3Drafter(nn.Module):
         ctx_valid = valid if valid is not None else torch.ones(b, past_k.shape[2], dtype=torch.bool, device=dev)
         h = torch.stack([s.last_hidden for s in states])  # [B, H]
         hiddens, logits_out, tokens, sup_ids, sup_probs = [], [], [], [], []
+        choose = TokenChooser(temperatures, self.support_size, self.vocab_size)
         for k in range(gamma):
             if k > 0:
                 fed = teacher_tokens[:, k - 1] if teacher_tokens is not None else tokens[-1]  # [B]
@@ -201,8 +203,7 @@ class Eagle3Drafter(nn.Module):
                 past_k, past_v = torch.cat((past_k, kk), dim=2), torch.cat((past_v, vv), dim=2)
                 h = out[:, 0]
             logits = self.logits(h)  # [B, V]
-            choice = choose_tokens(logits, temperatures, None if uniforms is None else uniforms[:, k],
-                                   self.support_size)
+            choice = choose(logits, None if uniforms is None else uniforms[:, k])
             hiddens.append(h)
             logits_out.append(logits)
             tokens.append(choice.tokens)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_core.drafters.config import DrafterConfig
-from dspark_core.drafters.layers import _fused_weight, _inference
+from dspark_core.drafters.layers import Linear, _fused_weight, _inference
 
 
 class VanillaMarkovHead(nn.Module):
@@ -31,7 +31,7 @@ class VanillaMarkovHead(nn.Module):
         # [V, r]
         self.markov_w1 = nn.Embedding(v, r)
         # [V, r]
-        self.markov_w2 = nn.Linear(r, v, bias=False)
+        self.markov_w2 = Linear(r, v, bias=False)
 
     def start(self, h: torch.Tensor) -> object:
         """Recurrent state before slot 0 for h [B, H] (None: the vanilla head has none)."""
@@ -51,7 +51,7 @@ class GatedMarkovHead(VanillaMarkovHead):
         super().__init__(config)
         r = config.markov_rank
         # [r, H + r]
-        self.gate_proj = nn.Linear(config.hidden_size + r, r, bias=True)
+        self.gate_proj = Linear(config.hidden_size + r, r, bias=True)
 
     def step(self, h, prev_emb, state):
         gate = torch.sigmoid(self.gate_proj(torch.cat((h, prev_emb), dim=-1)))  # [B, r]
@@ -64,7 +64,7 @@ class RnnMarkovHead(VanillaMarkovHead):
         r = config.markov_rank
         self.rank = r
         # [3r, 2r + H]
-        self.joint_proj = nn.Linear(2 * r + config.hidden_size, 3 * r, bias=True)
+        self.joint_proj = Linear(2 * r + config.hidden_size, 3 * r, bias=True)
 
     def start(self, h):
         return h.new_zeros(h.shape[0], self.rank)  # [B, r]
@@ -91,9 +91,9 @@ class ConfidenceHead(nn.Module):
         super().__init__()
         self.with_markov = config.confidence_input_size > config.hidden_size
         # [1, H (+ r)]
-        self.proj = nn.Linear(config.confidence_input_size, 1, bias=True)
+        self.proj = Linear(config.confidence_input_size, 1, bias=True)
         # the greedy output (same input, label 1[argmax draft == argmax target]); not in DeepSpec's format
-        self.greedy = nn.Linear(config.confidence_input_size, 1, bias=True) if config.greedy_confidence_head else None
+        self.greedy = Linear(config.confidence_input_size, 1, bias=True) if config.greedy_confidence_head else None
 
     def forward(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
         """h [B, H], prev_emb [B, r] -> raw confidence logit [B]."""

@@ -21,20 +21,31 @@ class KVCache:
         self._keys: list[torch.Tensor | None] = [None] * num_layers
         self._values: list[torch.Tensor | None] = [None] * num_layers
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [kv_heads, n, d]; call once per layer, then `commit(n)`."""
-        n = k.shape[1]
+    def _ensure(self, layer: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers of `layer` with room for n rows past `length` (`like` [kv_heads, *, d] for a first one)."""
         buf_k, buf_v = self._keys[layer], self._values[layer]
         if buf_k is None or buf_k.shape[1] < self.length + n:
             cap = max(2 * (0 if buf_k is None else buf_k.shape[1]), self.length + n, 16)
-            new_k = k.new_empty(k.shape[0], cap, k.shape[2])
-            new_v = v.new_empty(v.shape[0], cap, v.shape[2])
+            new_k = like.new_empty(like.shape[0], cap, like.shape[2])
+            new_v = like.new_empty(like.shape[0], cap, like.shape[2])
             if buf_k is not None:
                 new_k[:, : self.length] = buf_k[:, : self.length]
                 new_v[:, : self.length] = buf_v[:, : self.length]
             buf_k, buf_v = self._keys[layer], self._values[layer] = new_k, new_v
+        return buf_k, buf_v
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [kv_heads, n, d]; call once per layer, then `commit(n)`."""
+        n = k.shape[1]
+        buf_k, buf_v = self._ensure(layer, n, k)
         buf_k[:, self.length : self.length + n] = k
         buf_v[:, self.length : self.length + n] = v
+
+    def with_room(self, layer: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [kv_heads, length + n, d] views: the committed rows, then n scratch rows the caller may fill
+        (they are not committed, so the next append overwrites them)."""
+        buf_k, buf_v = self._ensure(layer, n, like)
+        return buf_k[:, : self.length + n], buf_v[:, : self.length + n]
 
     def commit(self, n: int) -> None:
         self.length += n
@@ -49,19 +60,24 @@ class KVCache:
         return self._keys[layer][:, : self.length], self._values[layer][:, : self.length]
 
 
-def pad_caches(caches: list[KVCache], layer: int, like: torch.Tensor):
-    """Right-padded k, v [B, kv_heads, L_max, d] and valid [B, L_max] bool (None if no padding needed).
+def pad_caches(caches: list[KVCache], layer: int, like: torch.Tensor, room: int = 0):
+    """Right-padded k, v [B, kv_heads, L_max + room, d] and valid [B, L_max] bool (None if no padding needed).
 
-    `like` ([kv_heads, *, d]) supplies dtype/device/head shape for caches that are still empty.
+    `like` ([kv_heads, *, d]) supplies dtype/device/head shape for caches that are still empty. The last
+    `room` rows are left for the caller to fill (a block's own keys/values), which saves concatenating the
+    whole context to them; with one request they live in the cache's spare capacity (no copy at all).
     """
     lengths = [c.length for c in caches]
     l_max = max(lengths)
     if len(caches) == 1 and l_max:
-        k, v = caches[0].layer(layer)
+        if room:
+            k, v = caches[0].with_room(layer, room, like)
+        else:
+            k, v = caches[0].layer(layer)
         return k.unsqueeze(0), v.unsqueeze(0), None
     b, (kvh, _, d) = len(caches), like.shape
-    keys = like.new_zeros(b, kvh, l_max, d)
-    values = like.new_zeros(b, kvh, l_max, d)
+    keys = like.new_zeros(b, kvh, l_max + room, d)
+    values = like.new_zeros(b, kvh, l_max + room, d)
     for i, c in enumerate(caches):
         if c.length:
             k, v = c.layer(layer)

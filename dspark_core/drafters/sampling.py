@@ -26,34 +26,59 @@ class Choice:
     support_probs: torch.Tensor | None
 
 
+class TokenChooser:
+    """`choose_tokens` for one drafting round: what depends only on the batch (which rows sample, their
+    temperatures, the support ids) is worked out once, so each of the gamma slots runs only its own ops."""
+
+    def __init__(self, temperatures: torch.Tensor, support_size: int, vocab: int):
+        """temperatures [B] (0 = greedy); the vocabulary size of the logits to come."""
+        self.k = min(support_size, vocab)
+        self.vocab = vocab
+        sampled = temperatures > 0  # [B]
+        self.sampled_rows = sampled
+        self.any_greedy = not bool(sampled.all())
+        self.safe_t = torch.where(sampled, temperatures, torch.ones_like(temperatures)).float()[:, None]  # [B, 1]
+        # full-vocabulary support in id order (an expanded view)
+        self.ids = torch.arange(vocab, device=temperatures.device).expand(temperatures.shape[0], vocab) \
+            if self.k == vocab else None
+        # CPU cumsum is a running sum, so the inverse-CDF search below can only land on ids with mass; other
+        # devices (parallel scans) get the explicit last-id-with-mass guard
+        self.guard = temperatures.device.type != "cpu"
+
+    def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> Choice:
+        """logits [B, V]; uniforms [B] in [0, 1) (None: every row greedy)."""
+        if uniforms is None:
+            return Choice(logits.argmax(dim=-1), None, None)
+        greedy = logits.argmax(dim=-1) if self.any_greedy else None  # [B]
+        if self.ids is not None:
+            # The whole vocabulary, in id order: no sort, so rows that differ only by float rounding (the same
+            # request drafted alone or in a batch) keep the same support and the same inverse-CDF intervals.
+            probs = torch.softmax(logits.float() / self.safe_t, dim=-1)  # [B, V]
+            cdf = probs.cumsum(dim=-1)
+            total = cdf[:, -1:]  # [B, 1]
+            # u * total may round up to the total: search strictly below it, so the id found is one where the
+            # cdf steps up (q > 0: a drafted token must never have q = 0)
+            point = torch.minimum(uniforms.float()[:, None] * total, torch.nextafter(total, total.new_zeros(())))
+            idx = torch.searchsorted(cdf, point, right=True)  # [B, 1]
+            if self.guard:
+                idx = torch.minimum(idx, torch.where(probs > 0, self.ids, -1).amax(dim=-1, keepdim=True))
+            tokens = idx.squeeze(1)
+            support = self.ids
+        else:
+            top_vals, support = logits.float().topk(self.k, dim=-1)  # [B, k]
+            probs = torch.softmax(top_vals / self.safe_t, dim=-1)  # [B, k]
+            cdf = probs.cumsum(dim=-1)  # [B, k]
+            idx = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True)  # [B, 1]
+            # u * total rounding up to the total: land on the last support entry with mass (probs are sorted
+            # descending, so entries with mass form a prefix); a drafted token must never have q = 0.
+            last_with_mass = (probs > 0).sum(dim=-1, keepdim=True) - 1  # [B, 1]
+            tokens = support.gather(1, torch.minimum(idx, last_with_mass)).squeeze(1)  # [B]
+        if greedy is not None:
+            tokens = torch.where(self.sampled_rows, tokens, greedy)
+        return Choice(tokens, support, probs)
+
+
 def choose_tokens(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor | None,
                   support_size: int) -> Choice:
     """logits [B, V]; temperatures [B] (0 = greedy); uniforms [B] in [0, 1) or None if all greedy."""
-    greedy = logits.argmax(dim=-1)  # [B]
-    if uniforms is None:
-        return Choice(greedy, None, None)
-    vocab = logits.shape[-1]
-    k = min(support_size, vocab)
-    sampled_rows = temperatures > 0  # [B]
-    safe_t = torch.where(sampled_rows, temperatures, torch.ones_like(temperatures)).float()
-    if k == vocab:
-        # The whole vocabulary, in id order: no sort, so rows that differ only by float rounding (the same
-        # request drafted alone or in a batch) keep the same support and the same inverse-CDF intervals.
-        probs = torch.softmax(logits.float() / safe_t[:, None], dim=-1)  # [B, V]
-        cdf = probs.cumsum(dim=-1)
-        idx = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True)  # [B, 1]
-        # u * total rounding up to the total: take the last id with mass (q = 0 must never be drafted)
-        ids = torch.arange(vocab, device=logits.device).expand(logits.shape[0], vocab)
-        last_with_mass = torch.where(probs > 0, ids, -1).amax(dim=-1, keepdim=True)
-        idx = torch.minimum(idx, last_with_mass)
-        return Choice(torch.where(sampled_rows, idx.squeeze(1), greedy), ids, probs)
-    top_vals, top_ids = logits.float().topk(k, dim=-1)  # [B, k]
-    probs = torch.softmax(top_vals / safe_t[:, None], dim=-1)  # [B, k]
-    cdf = probs.cumsum(dim=-1)  # [B, k]
-    idx = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True)  # [B, 1]
-    # u * total rounding up to the total: land on the last support entry with mass (probs are sorted
-    # descending, so entries with mass form a prefix); a drafted token must never have q = 0.
-    last_with_mass = (probs > 0).sum(dim=-1, keepdim=True) - 1  # [B, 1]
-    idx = torch.minimum(idx, last_with_mass)
-    sampled = top_ids.gather(1, idx).squeeze(1)  # [B]
-    return Choice(torch.where(sampled_rows, sampled, greedy), top_ids, probs)
+    return TokenChooser(temperatures, support_size, logits.shape[-1])(logits, uniforms)

@@ -1,0 +1,115 @@
+"""The drafter's inference shortcuts compute what the plain path computes: the RoPE table, block keys written
+into cache room instead of concatenated, and low-precision matmul copies (close, and never touching weights
+or training)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_core.drafters import ProposeItem, load_drafter
+from dspark_core.drafters import layers
+from dspark_core.drafters.checkpoint import cpu_has_native_bf16, resolve_matmul_dtype
+from dspark_core.drafters.kv_cache import KVCache, pad_caches
+from dspark_core.drafters.layers import RopeTable, matmul_dtype_name, rope_cos_sin, set_matmul_dtype
+from dspark_core.errors import InvalidArgument
+
+
+def test_rope_table_is_bitwise_rope_cos_sin_and_grows():
+    table = RopeTable(head_dim=16, theta=10000.0)
+    for top in (5, 300, 1000):  # 300 and 1000 force growth past the first 256 rows
+        positions = torch.randint(0, top, (3, 7))
+        cos, sin = table(positions, torch.float32)
+        ref_cos, ref_sin = rope_cos_sin(positions, 16, 10000.0, torch.float32)
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    cos, _ = table(torch.tensor([3]), torch.bfloat16)  # another dtype rebuilds the table
+    assert cos.dtype == torch.bfloat16
+
+
+def test_cache_room_is_scratch_until_committed():
+    cache = KVCache(1)
+    k = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)
+    cache.append(0, k, -k)
+    cache.commit(3)
+    keys, values = cache.with_room(0, 20, k)  # grows the buffers, keeps the committed rows
+    assert keys.shape == (2, 23, 4) and torch.equal(keys[:, :3], k) and torch.equal(values[:, :3], -k)
+    keys[:, 3:] = 99.0
+    assert cache.length == 3 and torch.equal(cache.layer(0)[0], k)
+    cache.append(0, k[:, :1] + 1, k[:, :1])  # the next append overwrites the scratch rows
+    cache.commit(1)
+    assert torch.equal(cache.layer(0)[0][:, 3], k[:, 0] + 1)
+
+
+def test_pad_caches_room_matches_concatenation():
+    like = torch.zeros(2, 0, 4)
+    a, b = KVCache(1), KVCache(1)
+    for cache, n in ((a, 3), (b, 5)):
+        cache.append(0, torch.randn(2, n, 4), torch.randn(2, n, 4))
+        cache.commit(n)
+    for caches in ([a], [a, b]):
+        plain_k, plain_v, valid = pad_caches(caches, 0, like)
+        room_k, room_v, room_valid = pad_caches(caches, 0, like, room=2)
+        assert room_k.shape[2] == plain_k.shape[2] + 2
+        assert torch.equal(room_k[:, :, :-2], plain_k) and torch.equal(room_v[:, :, :-2], plain_v)
+        assert (valid is None) == (room_valid is None)
+
+
+def test_block_keys_in_cache_room_equal_concatenated_keys(fixtures_dir):
+    drafter = load_drafter(fixtures_dir / "dspark", matmul_dtype="float32")
+    st = drafter.new_state()
+    feats = torch.randn(9, drafter.config.feature_size)
+    drafter.extend_contexts([st.cache], [feats], [0])
+    anchors, positions = torch.tensor([4]), torch.tensor([9])
+    with torch.no_grad():
+        got = drafter.forward_block([st.cache], anchors, positions)
+        # the plain path: past keys / values concatenated with the block's own
+        x = drafter.embed_tokens(drafter.block_input_ids(anchors))
+        cos, sin = rope_cos_sin(positions[:, None] + torch.arange(drafter.block_size), drafter.config.head_dim,
+                                drafter.config.rope_theta, torch.float32)
+        for li, layer in enumerate(drafter.layers):
+            past_k, past_v = (t.unsqueeze(0) for t in st.cache.layer(li))
+            x, _, _ = layer(x, cos, sin, past_k, past_v, None)
+        want = drafter.norm(x)
+    assert torch.equal(got, want)
+    assert st.cache.length == 9
+
+
+def test_resolve_matmul_dtype():
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert resolve_matmul_dtype("float32", cpu, f32) is None
+    assert resolve_matmul_dtype("bfloat16", cpu, f32) == torch.bfloat16
+    assert resolve_matmul_dtype("bfloat16", cpu, torch.bfloat16) is None
+    assert resolve_matmul_dtype("auto", torch.device("cuda"), f32) is None  # GPUs run the drafter in bf16 anyway
+    assert resolve_matmul_dtype("auto", cpu, torch.bfloat16) is None
+    assert resolve_matmul_dtype("auto", cpu, f32) == (torch.bfloat16 if cpu_has_native_bf16() else None)
+    with pytest.raises(InvalidArgument, match="drafter_matmul_dtype.*'fp8'"):
+        resolve_matmul_dtype("fp8", cpu, f32)
+
+
+def test_low_precision_matmuls_are_close_and_leave_weights_alone(fixtures_dir, monkeypatch):
+    exact = load_drafter(fixtures_dir / "dspark", matmul_dtype="float32")
+    state = {k: v.clone() for k, v in exact.state_dict().items()}
+    # the fixture drafter is tiny: below the size threshold nothing would switch, so lower it
+    monkeypatch.setattr(layers, "MIN_LOW_PRECISION_WEIGHTS", 1)
+    monkeypatch.setattr(layers, "MIN_LOW_PRECISION_REDUCTION", 1)
+    low = load_drafter(fixtures_dir / "dspark", matmul_dtype="bfloat16")
+    assert matmul_dtype_name(low) == "bfloat16" and matmul_dtype_name(exact) == "float32"
+    st_e, st_l = exact.new_state(), low.new_state()
+    feats = torch.randn(8, exact.config.feature_size)
+    items = lambda st: [ProposeItem(st, feats, 0, [1] * 8, 3, 8, 0.0, None)]  # noqa: E731
+    out_e, out_l = exact.draft(items(st_e)), low.draft(items(st_l))
+    assert not torch.equal(out_e.logits, out_l.logits)  # it did run in bf16
+    torch.testing.assert_close(out_l.logits, out_e.logits, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(out_l.confidence_logits, out_e.confidence_logits, atol=0.1, rtol=0.05)
+    assert all(torch.equal(v, state[k]) for k, v in low.state_dict().items())
+    assert all(v.dtype == torch.float32 for v in low.state_dict().values())
+    # training ignores the copies: gradients reach the float32 parameters
+    low.train().requires_grad_(True)
+    ids = torch.randint(0, low.config.vocab_size, (1, 12))
+    out = low.training_forward(ids, torch.randn(1, 12, low.config.feature_size), torch.tensor([[2, 5]]))
+    out.logits.sum().backward()
+    assert low.lm_head.weight.grad is not None and low.lm_head.weight.grad.dtype == torch.float32
+    # and switching back restores the exact numbers
+    set_matmul_dtype(low.eval().requires_grad_(False), None)
+    st_b = low.new_state()
+    assert torch.equal(low.draft(items(st_b)).logits, exact.draft(items(exact.new_state())).logits)
