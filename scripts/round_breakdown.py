@@ -21,6 +21,7 @@ import torch
 
 from dspark_cli.models import default_target, load_stack, models_dir
 from dspark_core.cost_model import SpsTable
+from dspark_core.drafters.layers import matmul_dtype_name
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.sampling import SamplingParams
 from dspark_core.text import encode_prompt
@@ -56,13 +57,16 @@ def decode(target, drafter, ids, params, policy, sps=None):
         propose.times.clear()
     start = time.perf_counter()
     n0 = len(req.output_ids)
+    steps = []
     while not req.finished:
+        t = time.perf_counter()
         engine.step()
+        steps.append(time.perf_counter() - t)
     wall = time.perf_counter() - start
     if drafter is not None:
         del drafter.propose
     tokens = len(req.output_ids) - n0
-    return {"tokens_per_s": tokens / wall, "tokens": tokens, "verify": verify.times,
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "verify": verify.times, "steps": steps,
             "propose": propose.times if propose else []}
 
 
@@ -73,15 +77,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--policy", default="fixed")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    ap.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, drafter = load_stack(default_target(), str(models_dir() / args.drafter))
+    target, drafter = load_stack(default_target(), str(models_dir() / args.drafter),
+                                 drafter_matmul_dtype=args.drafter_matmul_dtype)
     prompts = []
     for name in ("mbpp", "livecodebench"):
         prompts += split(load_prompts(DATA / f"{name}.jsonl"), 0.2)[1][: (args.prompts + 1) // 2]
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
     sps_path = Path(default_target()) / "sps.json"
     sps = SpsTable.load(sps_path) if sps_path.is_file() else None  # the causal / async policies need it
     ar, sd = [], []
@@ -94,11 +101,15 @@ def main() -> None:
     step_ar = med([t for r in ar for t in r["verify"]])
     verify = med([t for r in sd for t in r["verify"]])
     propose = med([t for r in sd for t in r["propose"]])
+    step = med([t for r in sd for t in r["steps"]])
     tau = sum(r["tokens"] for r in sd) / sum(len(r["verify"]) for r in sd)  # tokens per target pass
     out = {
-        "drafter": args.drafter, "policy": args.policy, "prompts": len(sd), "threads": torch.get_num_threads(),
+        "drafter": args.drafter, "policy": args.policy, "temperature": args.temperature,
+        "drafter_matmul_dtype": matmul_dtype_name(drafter), "prompts": len(sd), "threads": torch.get_num_threads(),
         "ar_step_ms": step_ar * 1e3, "verify_ms": verify * 1e3, "propose_ms": propose * 1e3,
+        "step_ms": step * 1e3,
         "drafter_share_of_round": propose / (propose + verify),
+        "drafter_share_of_step": propose / step,
         "round_cost_in_ar_steps": (propose + verify) / step_ar,
         "verify_cost_in_ar_steps": verify / step_ar,
         "tau": tau,
