@@ -164,6 +164,31 @@ def roc_auc(scores, labels) -> float:
 
 # ---- the two views --------------------------------------------------------------------------------
 
+def expected_auc(scores, alpha) -> float:
+    """The ROC-AUC `scores` get in expectation when each item's label is a coin that lands 1 with probability
+    `alpha` (ties count one half; an item is never paired with itself). With scores = alpha this is the best
+    any score can do: the ceiling for a confidence that cannot see the coin (the speculative-sampling accept
+    draw), whatever it knows. NaN when every alpha is 0 or every alpha is 1."""
+    s, a = np.asarray(scores, dtype=np.float64).ravel(), np.asarray(alpha, dtype=np.float64).ravel()
+    if s.shape != a.shape:
+        raise InvalidArgument("alpha", a.shape, f"must match scores {s.shape}")
+    if ((a < 0) | (a > 1) | ~np.isfinite(a)).any():
+        raise InvalidArgument("alpha", "out of [0, 1]", "must be probabilities")
+    neg = 1.0 - a
+    pairs = a.sum() * neg.sum() - (a * neg).sum()
+    if s.size < 2 or pairs <= 0:
+        return math.nan
+    order = np.argsort(s, kind="stable")
+    s, a, neg = s[order], a[order], neg[order]
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])  # first index of each group of equal scores
+    group = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, s.size]))
+    neg_in_group = np.add.reduceat(neg, starts)  # [groups]
+    neg_below = np.r_[0.0, np.cumsum(neg_in_group)[:-1]]  # negatives' mass strictly below each group
+    # a positive item beats every lower-scored negative and ties (half) with its group's other items
+    wins = a * (neg_below[group] + 0.5 * (neg_in_group[group] - neg))
+    return float(wins.sum() / pairs)
+
+
 def _temps(records: RolloutRecords, temperatures) -> np.ndarray:
     t = np.ones(records.gamma) if temperatures is None else np.asarray(temperatures, dtype=np.float64)
     if t.shape != (records.gamma,) or not (t > 0).all():

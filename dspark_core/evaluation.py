@@ -49,6 +49,20 @@ class RoundLog:
     def rounds(self) -> int:
         return len(self.accepted)
 
+    def extend(self, other: RoundLog) -> None:
+        """Append another run's rounds (e.g. the same prompts with other seeds; prompt indices are kept, so
+        splits by prompt stay disjoint)."""
+        if (self.confidence_logits is None) != (other.confidence_logits is None):
+            raise InvalidArgument("other", "confidence logits", "both logs must come from the same kind of drafter")
+        self.accepted += other.accepted
+        self.proposed += other.proposed
+        self.committed += other.committed
+        self.prompt_index += other.prompt_index
+        if self.confidence_logits is not None:
+            self.confidence_logits += other.confidence_logits
+        self.tokens += other.tokens
+        self.skipped_prompts = max(self.skipped_prompts, other.skipped_prompts)
+
 
 def tau(log: RoundLog) -> float:
     """Mean committed tokens per round (accepted drafts + the target's own token)."""

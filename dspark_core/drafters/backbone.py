@@ -71,8 +71,12 @@ class ParallelBackbone(nn.Module):
         if sum(counts) == 0:
             return
         # ragged batch flattened: [N, L * H] plus per-request counts
-        flat = torch.cat([f.to(self._device, self._dtype) for f in features])
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)]).to(self._device)  # [N]
+        if len(features) == 1:
+            flat = features[0].to(self._device, self._dtype)
+            positions = torch.arange(starts[0], starts[0] + counts[0], device=self._device)  # [N]
+        else:
+            flat = torch.cat([f.to(self._device, self._dtype) for f in features])
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)]).to(self._device)
         ctx = self.project_context(flat)[None]  # [1, N, H]
         cos, sin = self._cos_sin(positions[None])  # [1, N, d]
         for li, layer in enumerate(self.layers):

@@ -212,7 +212,7 @@ class DSparkDrafter(ParallelBackbone):
             tokens=torch.stack(tokens, dim=1),
             prev_tokens=torch.stack(prevs, dim=1),
             confidence_logits=conf,
-            support_ids=torch.stack(sup_ids, dim=1) if sampled else None,
+            support_ids=choose.stacked_support(sup_ids) if sampled else None,
             support_probs=torch.stack(sup_probs, dim=1) if sampled else None,
             greedy_confidence_logits=greedy_conf,
         )

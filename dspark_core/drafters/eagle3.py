@@ -214,7 +214,7 @@ class Eagle3Drafter(nn.Module):
             hidden=torch.stack(hiddens, dim=1),
             logits=torch.stack(logits_out, dim=1),
             tokens=torch.stack(tokens, dim=1),
-            support_ids=torch.stack(sup_ids, dim=1) if sampled else None,
+            support_ids=choose.stacked_support(sup_ids) if sampled else None,
             support_probs=torch.stack(sup_probs, dim=1) if sampled else None,
         )
 

@@ -45,6 +45,12 @@ class TokenChooser:
         # devices (parallel scans) get the explicit last-id-with-mass guard
         self.guard = temperatures.device.type != "cpu"
 
+    def stacked_support(self, supports: list[torch.Tensor]) -> torch.Tensor:
+        """The gamma slots' supports [B, k] as one [B, gamma, k] (a view, not a copy, for the full vocabulary)."""
+        if self.ids is not None:
+            return self.ids[:, None, :].expand(-1, len(supports), -1)
+        return torch.stack(supports, dim=1)
+
     def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> Choice:
         """logits [B, V]; uniforms [B] in [0, 1) (None: every row greedy)."""
         if uniforms is None:

@@ -86,6 +86,18 @@ def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp
     assert load_drafter(d).config.sts_temperatures == tuple(r["temperatures"])
     assert all((tmp_path / "p" / f).stat().st_size > 0
                for f in ("reliability_before.png", "reliability_after.png"))
+    assert r["samples"] == 2 and r["seeds"] == [0, 1]
+    meta = json.loads((d / "calibration.json").read_text())["fitted_on"]
+    assert meta["samples"] == 2 and meta["rounds_check"] == r["rounds_check"]
+    # one sample per prompt: fewer rounds on the same prompts; the halves stay split by prompt either way
+    main(["calibrate", "--prompt-ids-file", str(ids_file), "--drafter-path", str(d), "--samples", "1",
+          "--target", str(shared_fixtures / "target"), "--max-new-tokens", "16", "--min-rounds", "5", "--json",
+          "--dry-run"])
+    single = json.loads(capsys.readouterr().out)
+    assert single["samples"] == 1 and single["rounds_fit"] < r["rounds_fit"]
+    assert main(["calibrate", "--prompt-ids-file", str(ids_file), "--drafter-path", str(d), "--samples", "0",
+                 "--target", str(shared_fixtures / "target")]) == 2
+    assert "--samples" in capsys.readouterr().err
 
 
 def _result(drafter, kind, dataset, domain, tau, block=4, rollouts=None):

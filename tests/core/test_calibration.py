@@ -22,6 +22,36 @@ def test_ece_hand_example():
     assert math.isnan(cal.ece([], []))
 
 
+def _brute_expected_auc(scores, alpha):
+    num = den = 0.0
+    for i, (si, ai) in enumerate(zip(scores, alpha)):
+        for j, (sj, aj) in enumerate(zip(scores, alpha)):
+            if i != j:
+                w = ai * (1 - aj)
+                den += w
+                num += w * (1.0 if si > sj else 0.5 if si == sj else 0.0)
+    return num / den
+
+
+def test_expected_auc_matches_brute_force_and_the_sampled_auc():
+    rng = np.random.default_rng(0)
+    alpha = rng.uniform(0, 1, 60)
+    scores = np.round(alpha + rng.normal(0, 0.2, 60), 1)  # rounded: plenty of ties
+    assert cal.expected_auc(scores, alpha) == pytest.approx(_brute_expected_auc(scores, alpha), abs=1e-12)
+    assert cal.expected_auc(alpha, alpha) == pytest.approx(_brute_expected_auc(alpha, alpha), abs=1e-12)
+    # the mean AUC over many coin draws approaches the expectation
+    big = rng.uniform(0, 1, 4000)
+    draws = [cal.roc_auc(big, rng.uniform(size=big.size) < big) for _ in range(40)]
+    assert np.mean(draws) == pytest.approx(cal.expected_auc(big, big), abs=0.005)
+    # certain outcomes are perfectly separable; constant scores are chance; no spread in alpha caps it at 1/2
+    assert cal.expected_auc([0.1, 0.2, 0.9, 0.8], [0.0, 0.0, 1.0, 1.0]) == 1.0
+    assert cal.expected_auc([1, 1, 1, 1], [0.2, 0.9, 0.4, 0.7]) == pytest.approx(0.5)
+    assert cal.expected_auc([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]) == pytest.approx(0.5)
+    assert math.isnan(cal.expected_auc([0.3, 0.4], [1.0, 1.0]))
+    with pytest.raises(InvalidArgument, match="alpha"):
+        cal.expected_auc([0.1, 0.2], [0.5, 1.5])
+
+
 def test_auc_hand_examples_with_ties():
     assert cal.roc_auc([0.3, 0.3, 0.3, 0.3], [0, 1, 0, 1]) == pytest.approx(0.5)  # constant scores
     assert cal.roc_auc([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]) == pytest.approx(1.0)  # perfect ranking

@@ -26,6 +26,19 @@ def test_rope_table_is_bitwise_rope_cos_sin_and_grows():
     assert cos.dtype == torch.bfloat16
 
 
+def test_fused_rms_norm_is_bitwise_the_reference_formula():
+    torch.manual_seed(0)
+    for size in (16, 64, 256):
+        norm = layers.RMSNorm(size, 1e-6)
+        norm.weight.data = torch.randn(size)
+        for shape in ((1, 7, size), (3, 4, 5, size)):
+            x = torch.randn(*shape) * 3
+            assert torch.equal(norm(x), norm.reference(x))
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    norm = layers.RMSNorm(16, 1e-6).to(torch.bfloat16)
+    assert torch.equal(norm(x), norm.reference(x))  # other dtypes take the reference path itself
+
+
 def test_cache_room_is_scratch_until_committed():
     cache = KVCache(1)
     k = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)
