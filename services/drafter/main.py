@@ -13,6 +13,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     flags.add_model(p)
     p.add_argument("--drafter-path", default=flags.env("DRAFTER_PATH"),
                    help="drafter checkpoint directory (DeepSpec format; default: the bundled models/dspark)")
+    p.add_argument("--matmul-dtype", default=flags.env("MATMUL_DTYPE", "auto"), choices=("auto", "float32", "bfloat16"),
+                   help="the drafter's larger matmuls: auto (bf16 weight copies on CPUs with native bf16), float32 "
+                        "(exact), bfloat16 (default auto)")
     p.add_argument("--max-active", type=int, default=int(flags.env("MAX_ACTIVE", 1024)),
                    help="requests whose draft context it holds at most (default 1024)")
 
@@ -27,7 +30,7 @@ def run(args) -> int:
     flags.start_observability("drafter", args)
     path = args.drafter_path or resolve_drafter_path("dspark", None)
     cfg = DrafterAppConfig(drafter_path=path, server=ServerConfig(args.port, args.host, args.drain_seconds),
-                           device=args.device, dtype=args.dtype, redis_url=args.redis_url, drafter_id=args.id,
+                           device=args.device, dtype=args.dtype, matmul_dtype=args.matmul_dtype, redis_url=args.redis_url, drafter_id=args.id,
                            advertise_host=args.advertise_host,
                            advertise_address=args.advertise_address, max_active=args.max_active)
     return flags.run_app(lambda: DrafterApp(cfg))

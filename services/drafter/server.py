@@ -29,6 +29,7 @@ class DrafterAppConfig:
     server: ServerConfig
     device: str = "auto"
     dtype: str = "auto"
+    matmul_dtype: str = "auto"  # see dspark_core.drafters.checkpoint.resolve_matmul_dtype
     redis_url: str | None = None
     drafter_id: str | None = None
     advertise_host: str | None = None
@@ -42,14 +43,16 @@ class DrafterAppConfig:
             raise InvalidArgument("drafter_path", self.drafter_path, "must name a drafter checkpoint directory")
         if self.max_active < 1:
             raise InvalidArgument("max_active", self.max_active, "must be >= 1")
+        if self.matmul_dtype not in ("auto", "float32", "bfloat16"):
+            raise InvalidArgument("matmul_dtype", self.matmul_dtype, "must be auto, float32 or bfloat16")
 
 
-def load_drafter_for_serving(path: str, device: str, dtype: str):
+def load_drafter_for_serving(path: str, device: str, dtype: str, matmul_dtype: str = "auto"):
     from dspark_core.drafters import load_drafter
     from dspark_core.target import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
-    return load_drafter(path, device=dev, dtype=resolve_dtype(dtype, dev))
+    return load_drafter(path, device=dev, dtype=resolve_dtype(dtype, dev), matmul_dtype=matmul_dtype)
 
 
 class DrafterApp(PodLifecycle):
@@ -61,7 +64,8 @@ class DrafterApp(PodLifecycle):
     def _load(self):
         from dspark_core.drafters.base import ProposeItem
 
-        d = load_drafter_for_serving(self.config.drafter_path, self.config.device, self.config.dtype)
+        d = load_drafter_for_serving(self.config.drafter_path, self.config.device, self.config.dtype,
+                                     self.config.matmul_dtype)
         st = d.new_state()  # warm-up: one real proposal on zero features
         feats = torch.zeros((2, d.config.feature_size), dtype=next(d.parameters()).dtype,
                             device=next(d.parameters()).device)

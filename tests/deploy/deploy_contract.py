@@ -34,7 +34,7 @@ SERVE: dict[str, ServeFlags] = {
     "drafter": ServeFlags(
         # the drafter checkpoint carries its own copy of the embeddings and LM head: no target needed
         required=frozenset({"--port", "--metrics-port", "--redis-url", "--drafter-path"}),
-        optional=frozenset({"--device", "--dtype"}),
+        optional=frozenset({"--device", "--dtype", "--matmul-dtype"}),
     ),
 }
 

@@ -186,6 +186,15 @@ def test_extra_args_and_env_are_appended(chart):
     assert c["env"][-1] == {"name": "DSPARK_LOG_LEVEL", "value": "debug"}
 
 
+def test_drafter_matmul_dtype_reaches_the_drafter_only(chart):
+    objs = manifests(render(chart, {"drafter": {"matmulDtype": "float32"}}))
+    args = main_container(deployment_of(objs, "drafter"))["args"]
+    assert args[args.index("--matmul-dtype") + 1] == "float32"
+    assert "--matmul-dtype" not in main_container(deployment_of(objs, "verifier"))["args"]
+    assert "--matmul-dtype" not in main_container(deployment_of(manifests(render(chart, {})), "drafter"))["args"]
+    assert "matmulDtype" in _render_error(chart, {"drafter": {"matmulDtype": "fp8"}})
+
+
 def test_component_image_overrides_the_shared_image(chart):
     objs = manifests(render(chart, {"image": {"repository": "registry.example/dspark", "tag": "1.2.3"},
                                     "verifier": {"image": {"tag": "1.2.3-cu128"}}}))

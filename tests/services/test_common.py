@@ -127,3 +127,17 @@ def test_builtin_autoscaler_stabilises_and_clamps():
     assert a.step() == {"verifier": 2}
     with pytest.raises(InvalidArgument):
         parse_pools('{"verifier": {"deployment": "", "minReplicas": 1}}')
+
+
+def test_drafter_config_checks_matmul_dtype_and_the_flag_reaches_it():
+    import argparse
+
+    from services.drafter.main import add_args
+    from services.drafter.server import DrafterAppConfig
+
+    with pytest.raises(InvalidArgument, match="matmul_dtype.*'fp8'"):
+        DrafterAppConfig("models/dspark", ServerConfig(0), matmul_dtype="fp8")
+    p = argparse.ArgumentParser()
+    add_args(p)
+    assert p.parse_args(["--matmul-dtype", "float32"]).matmul_dtype == "float32"
+    assert p.parse_args([]).matmul_dtype == "auto"
