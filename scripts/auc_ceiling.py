@@ -11,7 +11,9 @@ Measured under teacher forcing on held-out text: the target answers eval-split p
 then every response position is an anchor; slot k's alpha compares the drafter's q_k (its sampling
 distribution, Markov head included) with the target's p_k given the true previous tokens, which is what
 "slots < k were accepted" means. Prints per slot: mean alpha, the ceiling, the head's expected AUC under
-the same coins, and the head's AUC against one set of drawn coins.
+the same coins, and the head's AUC against one set of drawn coins; and the survival view (the first k all
+accepted, ~ prod alpha_i along the path) with the calibrated a_k = prod c_i, the view `dspark calibrate`
+reports first.
 
     .venv/bin/python scripts/auc_ceiling.py [--drafter dspark] [--limit 25] [--max-new-tokens 128] [--json]
 """
@@ -78,23 +80,32 @@ def main() -> None:
     alphas, logits = zip(*(slot_values(target, drafter, s, args.temperature) for s in samples))
     alpha, conf = np.concatenate(alphas), np.concatenate(logits)
     rng = np.random.default_rng(args.seed)
+    # survival view: P(first k accepted) ~ prod_{i<=k} alpha_i along the teacher-forced path, against the head's
+    # calibrated a_k = prod sigmoid(c_i / t_i)
+    temps = np.asarray(drafter.config.sts_temperatures, dtype=np.float64)
+    surv_alpha = np.cumprod(alpha, axis=1)
+    surv_head = np.cumprod(1.0 / (1.0 + np.exp(-conf / temps)), axis=1)
     rows = []
     for k in range(drafter.block_size):
         a, c = alpha[:, k], conf[:, k]
         coins = rng.uniform(size=a.size) < a
         rows.append({"slot": k + 1, "positions": int(a.size), "mean_alpha": float(a.mean()),
                      "alpha_std": float(a.std()), "auc_ceiling": cal.expected_auc(a, a),
-                     "head_expected_auc": cal.expected_auc(c, a), "head_auc_one_draw": cal.roc_auc(c, coins)})
+                     "head_expected_auc": cal.expected_auc(c, a), "head_auc_one_draw": cal.roc_auc(c, coins),
+                     "auc_ceiling_survival": cal.expected_auc(surv_alpha[:, k], surv_alpha[:, k]),
+                     "head_expected_auc_survival": cal.expected_auc(surv_head[:, k], surv_alpha[:, k])})
     out = {"drafter": args.drafter, "temperature": args.temperature, "prompts": len(samples),
            "max_new_tokens": args.max_new_tokens, "datasets": list(DATASETS), "limit": args.limit, "slots": rows}
     if args.json:
         print(json.dumps(out, indent=2))
         return
     print(f"{args.drafter} on {len(samples)} held-out responses (T = {args.temperature}), teacher forcing")
-    print(" slot  positions  mean alpha  std   AUC ceiling  head (expected)  head (one draw)")
+    print("            conditional (slot k given slots < k accepted)                  | survival (first k accepted)")
+    print(" slot  positions  mean alpha  std   AUC ceiling  head (expected)  head (one draw) | ceiling  head")
     for r in rows:
         print(f"{r['slot']:5d} {r['positions']:10d} {r['mean_alpha']:10.3f} {r['alpha_std']:6.3f} "
-              f"{r['auc_ceiling']:11.3f} {r['head_expected_auc']:16.3f} {r['head_auc_one_draw']:16.3f}")
+              f"{r['auc_ceiling']:11.3f} {r['head_expected_auc']:16.3f} {r['head_auc_one_draw']:16.3f} | "
+              f"{r['auc_ceiling_survival']:7.3f} {r['head_expected_auc_survival']:5.3f}")
 
 
 if __name__ == "__main__":
