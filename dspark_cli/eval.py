@@ -38,9 +38,9 @@ def add_common_args(p, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed; request i uses its own stream (default 0)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="drafter matmuls: auto (bf16 weights on CPUs with native bf16, else the drafter dtype), float32 "
-                        "(exact), bfloat16 (default auto)")
+    p.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
+                   help="drafter matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16, else the drafter "
+                        "dtype), float32 (exact), bfloat16, int8 (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--policy", default="fixed")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    ap.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.threads:

@@ -23,14 +23,14 @@ from dspark_core.drafters.config import DrafterConfig, load_config, save_config
 from dspark_core.drafters.dflash import DFlashDrafter
 from dspark_core.drafters.dspark import DSparkDrafter
 from dspark_core.drafters.eagle3 import Eagle3Drafter
-from dspark_core.drafters.layers import set_matmul_dtype
+from dspark_core.drafters.layers import int8_matmul_available, set_matmul_dtype
 from dspark_core.errors import InvalidArgument, ModelLoadError
 
 WEIGHTS_FILE = "model.safetensors"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed, never stored by DeepSpec but harmless
 
 
-MATMUL_DTYPES = ("auto", "float32", "bfloat16")
+MATMUL_DTYPES = ("auto", "float32", "bfloat16", "int8")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -41,16 +41,22 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_matmul_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype a drafter's larger inference matmuls run in (None: its own dtype).
+    """What a drafter's inference matmuls run in (None: its own dtype); see `layers.set_matmul_dtype`.
 
-    `auto`: bfloat16 for a float32 drafter on a CPU with native bf16 (the weight traffic halves; drafts only
-    move acceptance, never what the target commits), otherwise the drafter's dtype. `float32` keeps every
-    matmul exact (DeepSpec's numbers to the last bit), `bfloat16` forces bf16 weights."""
+    `auto`: for a float32 drafter on a CPU with native bf16, int8 weights with bf16 activations for decode-sized
+    batches (bf16 weights for the big layers beyond): the drafter's weights are cold after every target forward,
+    so its round is weight traffic, and drafts only move acceptance, never what the target commits. Otherwise
+    the drafter's dtype. `float32` keeps every matmul exact (DeepSpec's numbers to the last bit); `bfloat16`
+    and `int8` force those paths."""
     if name not in MATMUL_DTYPES:
         raise InvalidArgument("drafter_matmul_dtype", name, f"must be one of {', '.join(MATMUL_DTYPES)}")
     if name == "auto":
-        use_bf16 = torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_has_native_bf16()
-        return torch.bfloat16 if use_bf16 else None
+        fast = torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_has_native_bf16()
+        return (torch.int8 if int8_matmul_available() else torch.bfloat16) if fast else None
+    if name == "int8":
+        if not int8_matmul_available():
+            raise InvalidArgument("drafter_matmul_dtype", name, "needs torch.ops.aten._weight_int8pack_mm")
+        return torch.int8
     want = torch.bfloat16 if name == "bfloat16" else torch.float32
     return None if want == dtype else want
 

@@ -43,8 +43,8 @@ class DrafterAppConfig:
             raise InvalidArgument("drafter_path", self.drafter_path, "must name a drafter checkpoint directory")
         if self.max_active < 1:
             raise InvalidArgument("max_active", self.max_active, "must be >= 1")
-        if self.matmul_dtype not in ("auto", "float32", "bfloat16"):
-            raise InvalidArgument("matmul_dtype", self.matmul_dtype, "must be auto, float32 or bfloat16")
+        if self.matmul_dtype not in ("auto", "float32", "bfloat16", "int8"):
+            raise InvalidArgument("matmul_dtype", self.matmul_dtype, "must be auto, float32, bfloat16 or int8")
 
 
 def load_drafter_for_serving(path: str, device: str, dtype: str, matmul_dtype: str = "auto"):

@@ -94,7 +94,8 @@ def test_resolve_matmul_dtype():
     assert resolve_matmul_dtype("bfloat16", cpu, torch.bfloat16) is None
     assert resolve_matmul_dtype("auto", torch.device("cuda"), f32) is None  # GPUs run the drafter in bf16 anyway
     assert resolve_matmul_dtype("auto", cpu, torch.bfloat16) is None
-    assert resolve_matmul_dtype("auto", cpu, f32) == (torch.bfloat16 if cpu_has_native_bf16() else None)
+    fast = torch.int8 if layers.int8_matmul_available() else torch.bfloat16
+    assert resolve_matmul_dtype("auto", cpu, f32) == (fast if cpu_has_native_bf16() else None)
     with pytest.raises(InvalidArgument, match="drafter_matmul_dtype.*'fp8'"):
         resolve_matmul_dtype("fp8", cpu, f32)
 
@@ -126,3 +127,35 @@ def test_low_precision_matmuls_are_close_and_leave_weights_alone(fixtures_dir, m
     set_matmul_dtype(low.eval().requires_grad_(False), None)
     st_b = low.new_state()
     assert torch.equal(low.draft(items(st_b)).logits, exact.draft(items(exact.new_state())).logits)
+
+
+@pytest.mark.skipif(not layers.int8_matmul_available(), reason="this torch has no _weight_int8pack_mm")
+def test_int8_matmuls_are_close_for_small_batches_and_fall_back_for_large_ones(monkeypatch):
+    torch.manual_seed(0)
+    lin = layers.Linear(256, 300).requires_grad_(False).eval()  # 76,800 weights
+    set_matmul_dtype(lin, torch.int8)
+    assert lin.__dict__["matmul_dtype"] == torch.int8 and "matmul_fallback" not in lin.__dict__
+    x = torch.randn(2, 5, 256)
+    with torch.no_grad():
+        got, want = lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias)
+    assert got.shape == want.shape and not torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0)
+    big = torch.randn(layers.INT8_MAX_ROWS + 1, 256)  # past the int8 row limit: the model dtype (no fallback)
+    with torch.no_grad():
+        assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.weight, lin.bias))
+    q, scales = layers.quantize_int8(lin.weight)
+    assert q.dtype == torch.int8 and q.abs().max() == 127 and scales.shape == (300,)
+    torch.testing.assert_close(q.float() * scales.float()[:, None], lin.weight, atol=1e-2, rtol=0.01)
+
+
+def test_int8_choice_by_layer_size():
+    lm = layers.Linear(256, 4096)  # big: int8, bf16 beyond the row limit
+    narrow = layers.Linear(32, 4096)  # a rank-32 Markov W2: the reduction is too short for either
+    tiny = layers.Linear(288, 2)  # a confidence head's outputs
+    for m in (lm, narrow, tiny):
+        set_matmul_dtype(m, torch.int8)
+    assert (lm.__dict__.get("matmul_dtype"), lm.__dict__.get("matmul_fallback")) == (torch.int8, torch.bfloat16)
+    assert narrow.__dict__.get("matmul_dtype") is None and tiny.__dict__.get("matmul_dtype") is None
+    assert matmul_dtype_name(lm) == "int8" and matmul_dtype_name(tiny) == "float32"
+    set_matmul_dtype(lm, None)
+    assert lm.__dict__.get("matmul_dtype") is None and lm.__dict__.get("matmul_fallback") is None
