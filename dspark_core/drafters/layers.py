@@ -96,6 +96,8 @@ def fused_linear(owner: nn.Module, parts: tuple[nn.Linear, ...], x: torch.Tensor
         dtype = owner.__dict__.get("matmul_fallback")
     if dtype == x.dtype:
         dtype = None
+    if dtype is None and len(parts) == 1:
+        return F.linear(x, parts[0].weight, parts[0].bias)  # nothing to fuse or cast: no copy
     weight, bias = _fused_weight(owner, parts, dtype)
     if dtype is None:
         return F.linear(x, weight, bias)
@@ -138,8 +140,7 @@ def set_matmul_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
 
     bfloat16: only layers with at least MIN_LOW_PRECISION_WEIGHTS weights and a reduction of at least
     MIN_LOW_PRECISION_REDUCTION. int8: every layer with that reduction and MIN_INT8_WEIGHTS weights, for batches
-    up to INT8_MAX_ROWS rows;
-    larger batches fall back to bf16 where bf16 would apply, else the model dtype."""
+    up to INT8_MAX_ROWS rows; larger batches fall back to bf16 where bf16 would apply, else the model dtype."""
     for module in model.modules():
         for name in ("matmul_dtype", "matmul_fallback", "_fused_cache"):
             module.__dict__.pop(name, None)
