@@ -53,3 +53,15 @@ def test_draw_never_lands_on_a_zero_probability_support_entry():
     for k in (2, 3):  # top-k and full-vocabulary paths
         choice = choose_tokens(logits, torch.tensor([0.1]), torch.tensor([1.0 - 1e-7]), support_size=k)
         assert choice.tokens.tolist() == [0]
+
+
+def test_full_vocabulary_draws_only_ids_with_mass_even_at_the_top_of_the_cdf():
+    # zero-probability ids between and after the ones with mass; uniforms up to the largest float below 1
+    torch.manual_seed(0)
+    logits = torch.full((64, 4096), -1e9)
+    logits[:, ::97] = torch.randn(64, 43)
+    top = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    uniforms = torch.cat([torch.full((32,), top), torch.rand(32)])
+    choice = choose_tokens(logits, torch.ones(64), uniforms, support_size=4096)
+    q = choice.support_probs.gather(1, choice.tokens[:, None]).squeeze(1)
+    assert (q > 0).all() and (choice.tokens % 97 == 0).all()
