@@ -110,6 +110,8 @@ def run(args) -> int:
     if streamer is not None:
         streamer.close()
     if args.json:
+        from dspark_core.drafters.layers import matmul_dtype_name
+
         rounds = req.num_rounds
         print(json.dumps({
             "text": text,
@@ -121,6 +123,7 @@ def run(args) -> int:
             "prompt_tokens": len(prompt_ids),
             "finish_reason": req.finish_reason,
             "drafter": getattr(drafter, "name", None),
+            "drafter_matmul_dtype": None if drafter is None else matmul_dtype_name(drafter),
             "policy": policy,
         }))
     elif streamer is None:

@@ -25,6 +25,7 @@ def test_json_output_has_the_contract_fields(tiny_target_dir, capsys):
     assert 1 <= len(out["token_ids"]) <= 8
     assert out["num_rounds"] == len(out["accepted_per_round"]) == len(out["token_ids"]) - 1
     assert out["accepted_per_round"] == [0] * out["num_rounds"]  # autoregressive: nothing to accept
+    assert out["drafter"] is None and out["drafter_matmul_dtype"] is None
 
 
 def test_prompt_ids_and_text_agree(tiny_target_dir, capsys):
