@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 
-from .models import DRAFTER_NAMES, default_target, models_dir, resolve_drafter_path
+from .models import DRAFTER_NAMES, add_matmul_dtype_arg, default_target, models_dir, resolve_drafter_path
 
 DEFAULT_DATASETS = ("mbpp.jsonl", "livecodebench.jsonl")
 
@@ -65,9 +65,7 @@ def add_parser(sub) -> None:
                         "without it, causal/async are skipped with a warning when TARGET/sps.json is missing")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
-                   help="drafter matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16, else the drafter "
-                        "dtype), float32 (exact), bfloat16, int8 (default auto)")
+    add_matmul_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="also write the JSON object to this file")
     p.add_argument("--plot", default=None, metavar="OUT.png",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 
-from .models import DRAFTER_NAMES, default_target, resolve_drafter_path
+from .models import DRAFTER_NAMES, add_matmul_dtype_arg, default_target, resolve_drafter_path
 
 TRUNCATION_NOTE = ("draft tokens are sampled from the top-{k} of softmax(logits / T), renormalised; the verifier "
                    "uses q on that support, so output stays lossless, but truncation can lower acceptance. "
@@ -38,9 +38,7 @@ def add_common_args(p, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed; request i uses its own stream (default 0)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
-                   help="drafter matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16, else the drafter "
-                        "dtype), float32 (exact), bfloat16, int8 (default auto)")
+    add_matmul_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

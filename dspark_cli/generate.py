@@ -10,7 +10,7 @@ import time
 from dspark_core.errors import InvalidArgument
 from dspark_core.text import encode_prompt
 
-from .models import DRAFTER_NAMES, default_target, load_stack, resolve_drafter_path
+from .models import DRAFTER_NAMES, add_matmul_dtype_arg, default_target, load_stack, resolve_drafter_path
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -35,9 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default auto)")
-    p.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
-                   help="drafter matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16, else the drafter "
-                        "dtype), float32 (exact), bfloat16, int8 (default auto)")
+    add_matmul_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(p)
     p.set_defaults(func=run)

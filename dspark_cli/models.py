@@ -8,6 +8,15 @@ from pathlib import Path
 from dspark_core.errors import ModelLoadError
 
 DRAFTER_NAMES = ("dspark", "dspark-rnn", "dflash", "eagle3")
+# == dspark_core.drafters.checkpoint.MATMUL_DTYPES (tested), spelled out here so parsing needs no torch
+MATMUL_DTYPES = ("auto", "float32", "bfloat16", "int8")
+
+
+def add_matmul_dtype_arg(p, flag: str = "--drafter-matmul-dtype", default: str = "auto") -> None:
+    """The drafter-matmul choice every command that loads a drafter offers."""
+    p.add_argument(flag, default=default, choices=MATMUL_DTYPES,
+                   help="drafter matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16, else the drafter "
+                        "dtype), float32 (exact), bfloat16, int8 (default %(default)s)")
 
 
 def models_dir() -> Path:

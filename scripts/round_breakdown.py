@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_cli.models import default_target, load_stack, models_dir
+from dspark_cli.models import add_matmul_dtype_arg, default_target, load_stack, models_dir
 from dspark_core.cost_model import SpsTable
 from dspark_core.drafters.layers import matmul_dtype_name
 from dspark_core.engine import Engine, EngineConfig
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--policy", default="fixed")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    ap.add_argument("--drafter-matmul-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"))
+    add_matmul_dtype_arg(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.threads:

@@ -17,11 +17,10 @@ Parameter names equal DeepSpec's (`markov_head.markov_w1`, `.markov_w2`, `.gate_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark_core.drafters.config import DrafterConfig
-from dspark_core.drafters.layers import Linear, _fused_weight, _inference
+from dspark_core.drafters.layers import Linear, _inference, fused_linear
 
 
 class VanillaMarkovHead(nn.Module):
@@ -106,7 +105,6 @@ class ConfidenceHead(nn.Module):
         if self.greedy is None:
             return self.proj(x).squeeze(-1), None
         if _inference(self):  # one [2, in] matmul for both
-            weight, bias = _fused_weight(self, (self.proj, self.greedy))
-            c, g = F.linear(x, weight, bias).unbind(-1)
+            c, g = fused_linear(self, (self.proj, self.greedy), x).unbind(-1)
             return c, g
         return self.proj(x).squeeze(-1), self.greedy(x).squeeze(-1)

@@ -148,9 +148,10 @@ def set_matmul_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
             [c for c in module.children() if isinstance(c, nn.Linear)]
         if dtype is None or not linears:
             continue
+        weights = sum(l.weight.numel() for l in linears)
         wide = min(l.in_features for l in linears) >= MIN_LOW_PRECISION_REDUCTION
-        big = wide and sum(l.weight.numel() for l in linears) >= MIN_LOW_PRECISION_WEIGHTS
-        if dtype == torch.int8 and wide and sum(l.weight.numel() for l in linears) >= MIN_INT8_WEIGHTS:
+        big = wide and weights >= MIN_LOW_PRECISION_WEIGHTS
+        if dtype == torch.int8 and wide and weights >= MIN_INT8_WEIGHTS:
             module.matmul_dtype = torch.int8
             if big:
                 module.matmul_fallback = torch.bfloat16

@@ -33,7 +33,6 @@ class TokenChooser:
     def __init__(self, temperatures: torch.Tensor, support_size: int, vocab: int):
         """temperatures [B] (0 = greedy); the vocabulary size of the logits to come."""
         self.k = min(support_size, vocab)
-        self.vocab = vocab
         sampled = temperatures > 0  # [B]
         self.sampled_rows = sampled
         self.any_greedy = not bool(sampled.all())

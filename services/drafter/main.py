@@ -7,15 +7,15 @@ import sys
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from dspark_cli.models import add_matmul_dtype_arg
+
     from ..common import flags
 
     flags.add_common(p, 50053)
     flags.add_model(p)
     p.add_argument("--drafter-path", default=flags.env("DRAFTER_PATH"),
                    help="drafter checkpoint directory (DeepSpec format; default: the bundled models/dspark)")
-    p.add_argument("--matmul-dtype", default=flags.env("MATMUL_DTYPE", "auto"), choices=("auto", "float32", "bfloat16", "int8"),
-                   help="the drafter's matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16), float32 "
-                        "(exact), bfloat16, int8 (default auto)")
+    add_matmul_dtype_arg(p, "--matmul-dtype", flags.env("MATMUL_DTYPE", "auto"))
     p.add_argument("--max-active", type=int, default=int(flags.env("MAX_ACTIVE", 1024)),
                    help="requests whose draft context it holds at most (default 1024)")
 

@@ -43,8 +43,10 @@ class DrafterAppConfig:
             raise InvalidArgument("drafter_path", self.drafter_path, "must name a drafter checkpoint directory")
         if self.max_active < 1:
             raise InvalidArgument("max_active", self.max_active, "must be >= 1")
-        if self.matmul_dtype not in ("auto", "float32", "bfloat16", "int8"):
-            raise InvalidArgument("matmul_dtype", self.matmul_dtype, "must be auto, float32, bfloat16 or int8")
+        from dspark_core.drafters.checkpoint import MATMUL_DTYPES
+
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise InvalidArgument("matmul_dtype", self.matmul_dtype, f"must be one of {', '.join(MATMUL_DTYPES)}")
 
 
 def load_drafter_for_serving(path: str, device: str, dtype: str, matmul_dtype: str = "auto"):

@@ -87,6 +87,13 @@ def test_block_keys_in_cache_room_equal_concatenated_keys(fixtures_dir):
     assert st.cache.length == 9
 
 
+def test_cli_matmul_choices_are_the_loaders():
+    from dspark_cli.models import MATMUL_DTYPES as cli
+    from dspark_core.drafters.checkpoint import MATMUL_DTYPES as core
+
+    assert cli == core
+
+
 def test_resolve_matmul_dtype():
     cpu, f32 = torch.device("cpu"), torch.float32
     assert resolve_matmul_dtype("float32", cpu, f32) is None
