@@ -2,9 +2,9 @@
 
 Rollouts: the drafter decodes the eval split of each `--dataset` (first turn, `--limit K` first eval prompts
 per file) with the fixed policy (every draft verified) at T = 1.0, `--samples` times with different seeds,
-logging each round's raw confidence logits and accepted count. Those eval prompts are split once more, alternately by prompt: even-numbered
-prompts fit the temperatures, odd-numbered ones check them (the before/after table is on the check half,
-out of sample). `--no-holdout` fits and reports on everything (in sample, labelled as such).
+logging each round's raw confidence logits and accepted count. Those eval prompts are split once more,
+alternately by prompt: even-numbered prompts fit the temperatures, odd-numbered ones check them (the
+before/after table is on the check half, out of sample). `--no-holdout` fits and reports on everything (in sample, labelled as such).
 Writes `<drafter>/calibration.json` = {"method": "sts", "temperatures": [...], ...}; `load_drafter` reads it.
 """
 
@@ -59,14 +59,14 @@ def run(args) -> int:
     # at temperature 0 a drafter with a greedy confidence output reports (and so calibrates) that output
     greedy = args.temperature == 0 and drafter.config.greedy_confidence_head
     samples = 1 if args.temperature == 0 else args.samples
-    log = None
-    for j in range(samples):
-        run = run_rounds(target, drafter, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                         seed=args.seed + j, concurrency=args.concurrency, stop_token_ids=target.eos_token_ids)
-        if log is None:
-            log = run
-        else:
-            log.extend(run)
+
+    def rollouts(seed: int):
+        return run_rounds(target, drafter, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                          seed=seed, concurrency=args.concurrency, stop_token_ids=target.eos_token_ids)
+
+    log = rollouts(args.seed)
+    for j in range(1, samples):
+        log.extend(rollouts(args.seed + j))
     records = cal.RolloutRecords.from_rounds(log.confidence_logits, log.accepted, log.proposed,
                                              gamma=drafter.block_size)
     odd = np.asarray(log.prompt_index) % 2 == 1
