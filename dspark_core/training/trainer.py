@@ -246,7 +246,10 @@ def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:
 
     The checkpoint must be the same architecture and kind with the same tensor names and shapes, tapped
     layers, Markov head type and MASK token; the block size may differ (no weight depends on it), so a
-    block-7 drafter can seed a block-16 run. The embedding and LM head keep the target's values (frozen
+    block-7 drafter can seed a block-16 run, and a DSpark / DFlash run may have more draft layers than the
+    checkpoint: the extra layers start as copies of its last layer with their output projections (attention
+    `o_proj`, MLP `down_proj`) zeroed, so the deeper drafter starts out computing exactly what the checkpoint
+    does and training grows the new layers from there. The embedding and LM head keep the target's values (frozen
     copies; a bf16-shipped checkpoint holds rounded ones). Raises InvalidArgument naming what differs.
     """
     src = load_drafter(path, device="cpu", dtype=torch.float32)
@@ -261,6 +264,7 @@ def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:
         # a greedy confidence output this run adds to a checkpoint without one starts as a copy of the head
         theirs = {**theirs, **{k: theirs[k.replace(".greedy.", ".proj.")] for k in ours
                                if k.startswith("confidence_head.greedy.")}}
+    theirs = _deepen(theirs, ours, a, b, path)
     if set(theirs) != set(ours):
         diff = sorted(set(theirs) ^ set(ours))
         raise InvalidArgument("init_from", str(path), f"holds other tensors than this drafter ({', '.join(diff[:4])})")
@@ -273,6 +277,25 @@ def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:
             if k not in FROZEN:
                 v.copy_(theirs[k].to(v.dtype))
     return drafter
+
+
+def _deepen(theirs: dict, ours: dict, a: DrafterConfig, b: DrafterConfig, path) -> dict:
+    """`theirs` with draft layers a.num_hidden_layers.. b.num_hidden_layers - 1 added (see init_from_checkpoint)."""
+    have, want = a.num_hidden_layers, b.num_hidden_layers
+    if have == want:
+        return theirs
+    if b.architecture != ARCH_DSPARK or want < have:
+        raise InvalidArgument("init_from", str(path), f"has {have} draft layers, this run needs {want} (a "
+                                                      "DSpark / DFlash checkpoint can only seed a deeper run)")
+    last = f"layers.{have - 1}."
+    grown = dict(theirs)
+    for i in range(have, want):
+        for k, v in theirs.items():
+            if k.startswith(last):
+                name = f"layers.{i}." + k[len(last):]
+                zero = name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+                grown[name] = torch.zeros_like(v) if zero else v.clone()
+    return grown
 
 
 # ---- batches ----------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from dspark_cli.main import main
-from dspark_core.drafters import DrafterConfig, build_drafter, load_drafter
+from dspark_core.drafters import DrafterConfig, build_drafter, load_drafter, save_drafter
 from dspark_core.errors import InvalidArgument
 from dspark_core.target import TargetConfig, TargetRuntime
 from dspark_core.training.cache import TargetCache
@@ -202,6 +202,29 @@ def test_init_from_copies_a_checkpoint_and_keeps_the_targets_frozen_rows(cli_run
         init_from_checkpoint(fresh_drafter(target, TrainConfig(block_size=4, target_layer_ids=(0, 1))), final)
     with pytest.raises(InvalidArgument, match="init_from"):  # other kind
         init_from_checkpoint(fresh_drafter(target, TrainConfig(kind="dflash", target_layer_ids=(0, 1, 2))), final)
+
+
+def test_init_from_grows_a_deeper_drafter_that_starts_out_computing_the_same(cli_run, target):
+    final = cli_run[0] / "final"
+    shallow = init_from_checkpoint(fresh_drafter(target, TrainConfig(block_size=4, target_layer_ids=(0, 1, 2))), final)
+    deep = init_from_checkpoint(fresh_drafter(target, TrainConfig(block_size=4, target_layer_ids=(0, 1, 2),
+                                                                  draft_layers=3)), final)
+    assert len(deep.layers) == 3
+    for i in (1, 2):  # copies of the last layer whose output projections are zero
+        assert not deep.layers[i].self_attn.o_proj.weight.any() and not deep.layers[i].mlp.down_proj.weight.any()
+        assert torch.equal(deep.layers[i].mlp.gate_proj.weight, shallow.layers[0].mlp.gate_proj.weight)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, 24), generator=g)
+    feats = torch.randn(1, 24, shallow.config.feature_size, generator=g)
+    anchors = torch.tensor([[0, 5, 11, 19]])
+    with torch.no_grad():
+        a, b = shallow.training_forward(ids, feats, anchors), deep.training_forward(ids, feats, anchors)
+    assert torch.allclose(a.logits, b.logits, atol=1e-5) and torch.allclose(a.confidence_logits, b.confidence_logits,
+                                                                          atol=1e-5)
+    with pytest.raises(InvalidArgument, match="draft layers"):  # shallower than the checkpoint
+        deep_final = cli_run[0] / "deep"
+        save_drafter(deep, deep_final)
+        init_from_checkpoint(fresh_drafter(target, TrainConfig(block_size=4, target_layer_ids=(0, 1, 2))), deep_final)
 
 
 def test_cli_init_from_continues_training_a_checkpoint(cli_run, tiny_target_dir, tmp_path):
