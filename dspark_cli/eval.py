@@ -22,6 +22,16 @@ TRUNCATION_NOTE = ("draft tokens are sampled from the top-{k} of softmax(logits 
                    "support_size = vocab is full-vocabulary sampling.")
 
 
+
+def drafter_label(path) -> str:
+    """A drafter's name for tables: its folder, or the run's for `RUN/final` and `RUN/checkpoints/step-N`."""
+    p = Path(path).resolve()
+    if p.name == "final":
+        return p.parent.name
+    if p.parent.name == "checkpoints":
+        return f"{p.parent.parent.name}@{p.name}"
+    return p.name
+
 def add_common_args(p, max_new_tokens: int) -> None:
     p.add_argument("--dataset", action="append", default=None, metavar="F.jsonl",
                    help="DeepSpec-format prompt file ({\"turns\": [...]} per line); first turn, eval split")
@@ -56,6 +66,9 @@ def add_parser(sub) -> None:
                    help="also run with full-vocabulary draft sampling and report the tau lost to truncation")
     p.add_argument("--no-rollouts", action="store_true", help="leave the per-round records out of the JSON")
     p.add_argument("--out", default=None, help="also write the JSON object to this file (input of `dspark report`)")
+    p.add_argument("--name", default=None,
+                   help="the drafter's name in the JSON and in `dspark report` (default: its folder's name; for a "
+                        "training run's final/ or checkpoints/step-N/, the run's)")
     p.set_defaults(func=run)
 
 
@@ -185,7 +198,7 @@ def run(args) -> int:
     wall = time.perf_counter() - t0
     result = {
         "dataset": ps["dataset"], "domain": ps["domain"], "split": ps["split"],
-        "drafter": Path(path).name, "drafter_kind": drafter.kind, "drafter_path": str(path),
+        "drafter": args.name or drafter_label(path), "drafter_kind": drafter.kind, "drafter_path": str(path),
         "target": getattr(target, "name", None), "block_size": gamma, "trained_block_size": trained_gamma,
         "block_size_extrapolated": extrapolated, "temperature": args.temperature, "policy": "fixed",
         "max_new_tokens": args.max_new_tokens, "num_prompts": len(ps["prompts"]) - log.skipped_prompts,

@@ -65,6 +65,16 @@ def test_eval_text_dataset_on_tiny_model_with_random_drafter(tiny_target_dir, tm
     assert all(k in r for k in CONTRACT)
     assert r["dataset"] == "gsm8k" and r["domain"] == "math" and r["split"].startswith("eval")
     assert r["num_prompts"] == 2 and r["block_size"] == 3 and r["drafter"] == "random-dspark"
+    rc = main(["eval", "--dataset", str(data), "--drafter-path", str(tmp_path / "random-dspark"), "--name", "mine",
+               "--target", str(tiny_target_dir), "--max-new-tokens", "6", "--limit", "1", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["drafter"] == "mine"
+
+
+def test_a_training_runs_checkpoint_is_named_after_the_run(tmp_path):
+    from dspark_cli.eval import drafter_label
+    assert drafter_label(tmp_path / "exp-l2" / "final") == "exp-l2"
+    assert drafter_label(tmp_path / "exp-l2" / "checkpoints" / "step-000600") == "exp-l2@step-000600"
+    assert drafter_label(tmp_path / "models" / "dspark") == "dspark"
 
 
 def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp_path, capsys):
