@@ -72,7 +72,7 @@ def decode(target, drafter, ids, params, policy, sps=None):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--drafter", default="dspark", help="shipped drafter name (models/<name>) or a checkpoint directory")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--policy", default="fixed")
@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, drafter = load_stack(default_target(), str(models_dir() / args.drafter),
+    target, drafter = load_stack(default_target(), str(args.drafter if Path(args.drafter).is_dir() else models_dir() / args.drafter),
                                  drafter_matmul_dtype=args.drafter_matmul_dtype)
     prompts = []
     for name in ("mbpp", "livecodebench"):
