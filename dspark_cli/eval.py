@@ -22,7 +22,6 @@ TRUNCATION_NOTE = ("draft tokens are sampled from the top-{k} of softmax(logits 
                    "support_size = vocab is full-vocabulary sampling.")
 
 
-
 def drafter_label(path) -> str:
     """A drafter's name for tables: its folder, or the run's for `RUN/final` and `RUN/checkpoints/step-N`."""
     p = Path(path).resolve()
@@ -31,6 +30,7 @@ def drafter_label(path) -> str:
     if p.parent.name == "checkpoints":
         return f"{p.parent.parent.name}@{p.name}"
     return p.name
+
 
 def add_common_args(p, max_new_tokens: int) -> None:
     p.add_argument("--dataset", action="append", default=None, metavar="F.jsonl",

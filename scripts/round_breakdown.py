@@ -83,8 +83,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, drafter = load_stack(default_target(), str(args.drafter if Path(args.drafter).is_dir() else models_dir() / args.drafter),
-                                 drafter_matmul_dtype=args.drafter_matmul_dtype)
+    drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else models_dir() / args.drafter
+    target, drafter = load_stack(default_target(), str(drafter_dir), drafter_matmul_dtype=args.drafter_matmul_dtype)
     prompts = []
     for name in ("mbpp", "livecodebench"):
         prompts += split(load_prompts(DATA / f"{name}.jsonl"), 0.2)[1][: (args.prompts + 1) // 2]

@@ -264,7 +264,7 @@ def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:
         # a greedy confidence output this run adds to a checkpoint without one starts as a copy of the head
         theirs = {**theirs, **{k: theirs[k.replace(".greedy.", ".proj.")] for k in ours
                                if k.startswith("confidence_head.greedy.")}}
-    theirs = _deepen(theirs, ours, a, b, path)
+    theirs = _deepen(theirs, a, b, path)
     if set(theirs) != set(ours):
         diff = sorted(set(theirs) ^ set(ours))
         raise InvalidArgument("init_from", str(path), f"holds other tensors than this drafter ({', '.join(diff[:4])})")
@@ -279,7 +279,7 @@ def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:
     return drafter
 
 
-def _deepen(theirs: dict, ours: dict, a: DrafterConfig, b: DrafterConfig, path) -> dict:
+def _deepen(theirs: dict, a: DrafterConfig, b: DrafterConfig, path) -> dict:
     """`theirs` with draft layers a.num_hidden_layers.. b.num_hidden_layers - 1 added (see init_from_checkpoint)."""
     have, want = a.num_hidden_layers, b.num_hidden_layers
     if have == want:

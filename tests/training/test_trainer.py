@@ -204,7 +204,7 @@ def test_init_from_copies_a_checkpoint_and_keeps_the_targets_frozen_rows(cli_run
         init_from_checkpoint(fresh_drafter(target, TrainConfig(kind="dflash", target_layer_ids=(0, 1, 2))), final)
 
 
-def test_init_from_grows_a_deeper_drafter_that_starts_out_computing_the_same(cli_run, target):
+def test_init_from_grows_a_deeper_drafter_that_starts_out_computing_the_same(cli_run, target, tmp_path):
     final = cli_run[0] / "final"
     shallow = init_from_checkpoint(fresh_drafter(target, TrainConfig(block_size=4, target_layer_ids=(0, 1, 2))), final)
     deep = init_from_checkpoint(fresh_drafter(target, TrainConfig(block_size=4, target_layer_ids=(0, 1, 2),
@@ -221,10 +221,10 @@ def test_init_from_grows_a_deeper_drafter_that_starts_out_computing_the_same(cli
         a, b = shallow.training_forward(ids, feats, anchors), deep.training_forward(ids, feats, anchors)
     assert torch.allclose(a.logits, b.logits, atol=1e-5) and torch.allclose(a.confidence_logits, b.confidence_logits,
                                                                           atol=1e-5)
+    save_drafter(deep, tmp_path / "deep")
     with pytest.raises(InvalidArgument, match="draft layers"):  # shallower than the checkpoint
-        deep_final = cli_run[0] / "deep"
-        save_drafter(deep, deep_final)
-        init_from_checkpoint(fresh_drafter(target, TrainConfig(block_size=4, target_layer_ids=(0, 1, 2))), deep_final)
+        init_from_checkpoint(fresh_drafter(target, TrainConfig(block_size=4, target_layer_ids=(0, 1, 2))),
+                             tmp_path / "deep")
 
 
 def test_cli_init_from_continues_training_a_checkpoint(cli_run, tiny_target_dir, tmp_path):
