@@ -72,7 +72,8 @@ def decode(target, drafter, ids, params, policy, sps=None):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", default="dspark", help="shipped drafter name (models/<name>) or a checkpoint directory")
+    ap.add_argument("--drafter", default="dspark",
+                    help="shipped drafter name (models/<name>) or a checkpoint directory")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--policy", default="fixed")

@@ -9,15 +9,19 @@
    the world size), rank 0 prints the estimated cache size (cache.estimate_cache_bytes)
    and writes `samples.jsonl`, each rank caches its slice (cache.build_target_cache(rank=, world_size=)),
    and rank 0 merges the manifests after a barrier.
+Rank 0 holds an exclusive lock on `cache_dir/.lock` from the check to the end of the build, so two jobs
+pointed at one cache directory never build into it together: the second waits (saying so), then reuses
+what the first built.
 
 Knows nothing about drafters, optimisers or the command line; it prints nothing itself (`log` callback).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -81,12 +85,42 @@ def _clear(cache_dir: Path) -> None:
             f.unlink()
 
 
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def cache_lock(cache_dir: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Exclusive lock on `cache_dir` for as long as the block runs; waits (and says so) while another process
+    holds it. Without fcntl (not POSIX) it is a no-op."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with (cache_dir / LOCK_FILE).open("a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process that is building the target cache in {cache_dir}")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def prepare_target_cache(target, prompts: list[Prompt], cache_dir: str | Path, ctx, settings: DistillSettings,
                          *, rebuild: bool = False, progress: bool = True,
                          log: Callable[[str], None] | None = None) -> TargetCache:
     """Collective over the ranks in `ctx` (a DistContext); returns the opened cache on every rank."""
     log = log if (log is not None and ctx.is_main) else (lambda _msg: None)
     cache_dir = Path(cache_dir)
+    with cache_lock(cache_dir, log) if ctx.is_main else contextlib.nullcontext():
+        return _prepare(target, prompts, cache_dir, ctx, settings, rebuild, progress, log)
+
+
+def _prepare(target, prompts, cache_dir: Path, ctx, settings, rebuild, progress, log) -> TargetCache:
     fingerprint = source_fingerprint(target, prompts, settings)
     status = None
     if ctx.is_main:

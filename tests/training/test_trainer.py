@@ -15,7 +15,7 @@ from dspark_core.target import TargetConfig, TargetRuntime
 from dspark_core.training.cache import TargetCache
 from dspark_core.training.data import load_prompts, split
 from dspark_core.training.distributed import DistConfig, init_distributed
-from dspark_core.training.prepare import DistillSettings, prepare_target_cache
+from dspark_core.training.prepare import LOCK_FILE, DistillSettings, prepare_target_cache
 from dspark_core.training.trainer import (TrainConfig, Trainer, default_target_layers, drafter_config_for_target,
                                           fresh_drafter, init_from_checkpoint, lr_factor, mask_token_for)
 
@@ -123,6 +123,28 @@ def test_resume_continues_exactly(cli_run, target, ctx, tmp_path, kind):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert losses(cut) == losses(full)
+
+
+def test_a_second_job_waits_for_the_cache_another_job_is_building_then_reuses_it(cli_run, target, ctx):
+    import fcntl
+    import threading
+    out, data = cli_run
+    train, _ = split(load_prompts(data))
+    settings = DistillSettings(max_new_tokens=20, dtype="float32")
+    said, opened = [], []
+    job = threading.Thread(target=lambda: opened.append(
+        prepare_target_cache(target, train, out / "cache", ctx, settings, progress=False, log=said.append)))
+    with (out / "cache" / LOCK_FILE).open("a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)  # another job holds the cache directory
+        job.start()
+        job.join(1.0)
+        assert job.is_alive() and not opened
+        assert said and said[0].startswith("waiting for another process") and str(out / "cache") in said[0]
+        fcntl.flock(other, fcntl.LOCK_UN)
+    job.join(60)
+    built = json.loads((out / "cache" / "manifest.json").read_text())["num_samples"]
+    assert not job.is_alive() and len(opened[0]) == built
+    assert said[-1].startswith("reusing target cache")
 
 
 def test_cache_refuses_a_drafter_with_other_layers_or_hidden_size(cli_run, target, ctx, tmp_path):
