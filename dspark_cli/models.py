@@ -44,6 +44,11 @@ def resolve_drafter_path(name: str | None, path: str | None) -> str | None:
     return str(p)
 
 
+def drafter_dir(name_or_path: str) -> str:
+    """A drafter checkpoint directory as given, else a shipped drafter's name (see resolve_drafter_path)."""
+    return name_or_path if Path(name_or_path).is_dir() else resolve_drafter_path(name_or_path, None)
+
+
 def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto",
                drafter_matmul_dtype: str = "auto"):
     """Load the drafter (if any) first: its config says which target layers to tap."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark_cli.models import default_target, load_stack, models_dir
+from dspark_cli.models import default_target, drafter_dir, load_stack
 from dspark_core import calibration as cal
 from dspark_core.training.data import distill, load_prompts, split
 from dspark_core.training.losses import acceptance_probability
@@ -60,7 +60,8 @@ def slot_values(target, drafter, sample, temperature: float) -> tuple[np.ndarray
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--drafter", default="dspark",
+                    help="shipped drafter name (models/<name>) or a checkpoint directory")
     ap.add_argument("--limit", type=int, default=25, help="eval-split prompts per dataset (default 25)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -69,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.temperature <= 0:
         raise SystemExit("--temperature must be > 0: at T = 0 acceptance is not a coin")
-    target, drafter = load_stack(default_target(), str(models_dir() / args.drafter))
+    target, drafter = load_stack(default_target(), drafter_dir(args.drafter))
     if not drafter.has_confidence:
         raise SystemExit(f"{args.drafter} has no confidence head")
     prompts = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_cli.models import add_matmul_dtype_arg, default_target, load_stack, models_dir
+from dspark_cli.models import add_matmul_dtype_arg, default_target, drafter_dir, load_stack
 from dspark_core.cost_model import SpsTable
 from dspark_core.drafters.layers import matmul_dtype_name
 from dspark_core.engine import Engine, EngineConfig
@@ -84,8 +84,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else models_dir() / args.drafter
-    target, drafter = load_stack(default_target(), str(drafter_dir), drafter_matmul_dtype=args.drafter_matmul_dtype)
+    target, drafter = load_stack(default_target(), drafter_dir(args.drafter),
+                                 drafter_matmul_dtype=args.drafter_matmul_dtype)
     prompts = []
     for name in ("mbpp", "livecodebench"):
         prompts += split(load_prompts(DATA / f"{name}.jsonl"), 0.2)[1][: (args.prompts + 1) // 2]

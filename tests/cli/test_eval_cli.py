@@ -185,3 +185,12 @@ def test_report_keeps_temperatures_apart(tmp_path, capsys):
     assert "| mbpp | code | 2.00 | 1.60 | +25.0% |" in main_table and "5.00" not in main_table
     assert "| mbpp | code | 5.00 | 4.00 | +25.0% |" in greedy_table
     assert any(p.endswith("conditional_acceptance_t0.png") for p in out["plots"])
+
+
+def test_scripts_take_a_shipped_drafter_name_or_a_checkpoint_directory(tmp_path):
+    from dspark_cli.models import drafter_dir, models_dir
+    from dspark_core.errors import ModelLoadError
+    assert drafter_dir("dspark") == str(models_dir() / "dspark")
+    assert drafter_dir(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(ModelLoadError, match="not installed"):
+        drafter_dir("no-such-drafter")
