@@ -4,7 +4,8 @@ Rollouts: the drafter decodes the eval split of each `--dataset` (first turn, `-
 per file) with the fixed policy (every draft verified) at T = 1.0, `--samples` times with different seeds,
 logging each round's raw confidence logits and accepted count. Those eval prompts are split once more,
 alternately by prompt: even-numbered prompts fit the temperatures, odd-numbered ones check them (the
-before/after table is on the check half, out of sample). `--no-holdout` fits and reports on everything (in sample, labelled as such).
+before/after table is on the check half, out of sample). `--no-holdout` fits and reports on everything (in
+sample, labelled as such).
 Writes `<drafter>/calibration.json` = {"method": "sts", "temperatures": [...], ...}; `load_drafter` reads it.
 """
 

@@ -75,7 +75,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
                  support_size: int = DEFAULT_SUPPORT_SIZE, matmul_dtype: str = "auto"):
     """Load a DeepSpec-format drafter folder (frozen, eval mode); raises ModelLoadError naming the path and the problem.
 
-    `matmul_dtype` (auto, float32, bfloat16): see `resolve_matmul_dtype`; the weights themselves stay in `dtype`."""
+    `matmul_dtype` (one of MATMUL_DTYPES): see `resolve_matmul_dtype`; the weights themselves stay in `dtype`."""
     path = Path(path)
     low = resolve_matmul_dtype(matmul_dtype, torch.device(device), dtype)
     config = load_config(path)

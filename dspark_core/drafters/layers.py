@@ -243,7 +243,8 @@ class Attention(nn.Module):
             return (self.query(x, cos, sin), *self.key_value(x, cos, sin))
         b, n, _ = x.shape
         d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        q, k, v = fused_linear(self, (self.q_proj, self.k_proj, self.v_proj), x).split((nh * d, nkv * d, nkv * d), dim=-1)
+        qkv = fused_linear(self, (self.q_proj, self.k_proj, self.v_proj), x)
+        q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
         q = apply_rope(self.q_norm(q.view(b, n, nh, d)).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_norm(k.view(b, n, nkv, d)).transpose(1, 2), cos, sin)
         return q, k, v.view(b, n, nkv, d).transpose(1, 2)

@@ -30,7 +30,8 @@ def run(args) -> int:
     flags.start_observability("drafter", args)
     path = args.drafter_path or resolve_drafter_path("dspark", None)
     cfg = DrafterAppConfig(drafter_path=path, server=ServerConfig(args.port, args.host, args.drain_seconds),
-                           device=args.device, dtype=args.dtype, matmul_dtype=args.matmul_dtype, redis_url=args.redis_url, drafter_id=args.id,
+                           device=args.device, dtype=args.dtype, matmul_dtype=args.matmul_dtype,
+                           redis_url=args.redis_url, drafter_id=args.id,
                            advertise_host=args.advertise_host,
                            advertise_address=args.advertise_address, max_active=args.max_active)
     return flags.run_app(lambda: DrafterApp(cfg))
