@@ -28,7 +28,7 @@ DEFAULT_DATASETS = ("mbpp.jsonl", "livecodebench.jsonl")
 
 
 def default_datasets() -> list[str]:
-    root = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev"
+    root = Path(__file__).resolve().parents[1] / "data" / "dev"
     return [str(root / name) for name in DEFAULT_DATASETS]
 
 

@@ -32,7 +32,7 @@ from dspark_core import calibration as cal
 from dspark_core.training.data import distill, load_prompts, split
 from dspark_core.training.losses import acceptance_probability
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev"
+DATA = Path(__file__).resolve().parents[1] / "data" / "dev"
 DATASETS = ("mbpp", "livecodebench", "math500", "arena-hard-v2")
 
 

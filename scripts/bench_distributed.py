@@ -11,7 +11,7 @@ from dspark_protos.dspark.v1 import types_pb2, scheduler_service_pb2_grpc
 from dspark_core.training.data import load_prompts, split
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO.parent / "shared" / "data" / "dev"
+DATA = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "data" / "dev"
 BIN = str(Path(sys.executable).parent / "dspark")
 def port():
     s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p

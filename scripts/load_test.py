@@ -6,7 +6,7 @@
 
 Starts a redis-server on a free port, two `dspark serve verifier`, one `dspark serve drafter` and one
 `dspark serve scheduler` on the bundled model (models/target + models/dspark), then `--concurrency` client
-threads send greedy gRPC Generate requests (held-out prompts of ../shared/data/dev/*.jsonl, chat template)
+threads send greedy gRPC Generate requests (held-out prompts of data/dev/*.jsonl, chat template)
 back to back for `--duration` seconds. At `--kill-at` (default: half the duration) the verifier holding more
 requests is SIGKILLed and `--restart-after` seconds later restarted on the same port.
 
@@ -492,7 +492,7 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None, help="service logs (default: a temporary directory)")
     p.add_argument("--target", default=str(REPO / "models" / "target"))
     p.add_argument("--drafter-path", default=str(REPO / "models" / "dspark"))
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "dev"), help="directory of *.jsonl")
+    p.add_argument("--data", default=str(REPO / "data" / "dev"), help="directory of *.jsonl")
     p.add_argument("--num-prompts", type=int, default=512, help="distinct held-out prompts to cycle (default 512)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="prompt length cap (default 256)")
     p.add_argument("--max-active", type=int, default=64, help="scheduler --max-active (default 64)")

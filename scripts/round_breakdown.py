@@ -27,7 +27,7 @@ from dspark_core.sampling import SamplingParams
 from dspark_core.text import encode_prompt
 from dspark_core.training.data import load_prompts, split
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev"
+DATA = Path(__file__).resolve().parents[1] / "data" / "dev"
 
 
 class Timed:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-DEFAULT_DATA = [REPO.parent / "shared" / "data" / "dev" / f"{n}.jsonl"
+DEFAULT_DATA = [REPO / "data" / "dev" / f"{n}.jsonl"
                 for n in ("mbpp", "livecodebench", "math500", "arena-hard-v2")]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

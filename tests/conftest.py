@@ -8,7 +8,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_FIXTURES = REPO.parent / "shared" / "fixtures" / "deepspec-tiny-a"
+SHARED_FIXTURES = REPO / "tests" / "fixtures" / "deepspec-tiny-a"
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}<|user|>\n{{ message['content'] }}\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

@@ -14,14 +14,14 @@ from safetensors.torch import load_file
 from dspark_core.drafters import ProposeItem, load_drafter
 
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "deepspec-tiny-a"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspec-tiny-a"
 DRAFTERS = ("dspark", "dspark-rnn", "dflash", "eagle3")
 MAX_NEW_TOKENS = 64
 
 
 def _require_fixtures() -> None:
     if not (FIXTURES / "target" / "model.safetensors").is_file():
-        pytest.skip(f"reference fixtures not found at {FIXTURES} (expected ../shared beside the repo root)")
+        pytest.skip(f"reference fixtures not found at {FIXTURES} (tests/fixtures/ of the repository)")
 
 
 @pytest.fixture(scope="session")

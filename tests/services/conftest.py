@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # svc_cluster, the shared app harness
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "deepspec-tiny-a"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspec-tiny-a"
 
 
 from svc_redis import RedisServer, free_port, redis_executable  # noqa: E402,F401 - re-exported helpers

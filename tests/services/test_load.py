@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def test_short_load_with_a_verifier_killed_and_restarted(tmp_path):
     redis_executable()  # skips without a redis-server
-    data = REPO.parent / "shared" / "data" / "dev"
+    data = REPO / "data" / "dev"
     if not data.is_dir():
         pytest.skip(f"no held-out prompts at {data}")
     out = tmp_path / "load"
