@@ -217,6 +217,22 @@ class DSparkDrafter(ParallelBackbone):
             greedy_confidence_logits=greedy_conf,
         )
 
+    def teacher_forced_heads(self, hidden: torch.Tensor, base_logits: torch.Tensor,
+                             teacher_prev: torch.Tensor) -> BlockDraft:
+        """`run_heads` with every previous token given (teacher forcing, greedy tokens), all slots at once:
+        the same outputs, without gamma per-slot passes over [B, V] tensors (training's hot path).
+
+        hidden [B, gamma, H]; base_logits [B, gamma, V]; teacher_prev [B, gamma]."""
+        markov, conf_head = self.markov_head, self.confidence_head
+        prev_embs = markov.embed(teacher_prev) if markov is not None else None  # [B, gamma, r]
+        logits = base_logits + markov.teacher_forced_bias(hidden, prev_embs) if markov is not None else base_logits
+        conf = greedy_conf = None
+        if conf_head is not None:
+            conf, greedy_conf = conf_head.both(hidden, prev_embs)
+        return BlockDraft(hidden=hidden, base_logits=base_logits, logits=logits, tokens=logits.argmax(-1),
+                          prev_tokens=teacher_prev, confidence_logits=conf, support_ids=None, support_probs=None,
+                          greedy_confidence_logits=greedy_conf)
+
     # ---- training-time forward --------------------------------------------------------------------
 
     def training_forward(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> BlockDraft:
@@ -242,8 +258,7 @@ class DSparkDrafter(ParallelBackbone):
         slots = anchors[:, :, None] + torch.arange(gamma, device=self._device)  # [B, A, gamma]
         teacher_prev = input_ids.gather(1, slots.reshape(b, a * gamma)).reshape(b * a, gamma)
         flat_hidden = hidden.reshape(b * a, gamma, -1)
-        out = self.run_heads(flat_hidden, self.lm_head(flat_hidden), anchor_tokens.reshape(-1),
-                             teacher_prev=teacher_prev)
+        out = self.teacher_forced_heads(flat_hidden, self.lm_head(flat_hidden), teacher_prev)
         return dataclasses.replace(out, **{
             f.name: getattr(out, f.name).reshape(b, a, gamma, *getattr(out, f.name).shape[2:])
             for f in dataclasses.fields(out) if getattr(out, f.name) is not None

@@ -44,6 +44,15 @@ class VanillaMarkovHead(nn.Module):
         """h [B, H], prev_emb [B, r] -> (bias [B, V], next state)."""
         return self.markov_w2(prev_emb), state
 
+    def teacher_forced_bias(self, hidden: torch.Tensor, prev_embs: torch.Tensor) -> torch.Tensor:
+        """All slots at once when every previous token is known (training): hidden [B, gamma, H], prev_embs
+        [B, gamma, r] -> bias [B, gamma, V], equal to `step` slot by slot. One [B * gamma, r] x [r, V] matmul
+        instead of gamma, and no per-slot slices of a [.., V] tensor whose backward would allocate it whole."""
+        return self.markov_w2(self._pre_w2(hidden, prev_embs))
+
+    def _pre_w2(self, hidden: torch.Tensor, prev_embs: torch.Tensor) -> torch.Tensor:
+        return prev_embs
+
 
 class GatedMarkovHead(VanillaMarkovHead):
     def __init__(self, config: DrafterConfig):
@@ -53,8 +62,11 @@ class GatedMarkovHead(VanillaMarkovHead):
         self.gate_proj = Linear(config.hidden_size + r, r, bias=True)
 
     def step(self, h, prev_emb, state):
-        gate = torch.sigmoid(self.gate_proj(torch.cat((h, prev_emb), dim=-1)))  # [B, r]
-        return self.markov_w2(gate * prev_emb), state
+        return self.markov_w2(self._pre_w2(h, prev_emb)), state
+
+    def _pre_w2(self, hidden, prev_embs):
+        gate = torch.sigmoid(self.gate_proj(torch.cat((hidden, prev_embs), dim=-1)))  # [..., r]
+        return gate * prev_embs
 
 
 class RnnMarkovHead(VanillaMarkovHead):
@@ -69,11 +81,23 @@ class RnnMarkovHead(VanillaMarkovHead):
         return h.new_zeros(h.shape[0], self.rank)  # [B, r]
 
     def step(self, h, prev_emb, state):
+        out, state = self._cell(h, prev_emb, state)
+        return self.markov_w2(out), state
+
+    def _cell(self, h, prev_emb, state):
+        """One recurrence step on [B, r]-sized tensors -> (tanh(o) [B, r], next state)."""
         z = torch.cat((state, prev_emb, h), dim=-1)  # [B, 2r + H]
         g, c, o = self.joint_proj(z).chunk(3, dim=-1)  # 3 x [B, r]
         keep = torch.sigmoid(g)
         state = keep * state + (1 - keep) * torch.tanh(c)
-        return self.markov_w2(torch.tanh(o)), state
+        return torch.tanh(o), state
+
+    def _pre_w2(self, hidden, prev_embs):
+        state, outs = self.start(hidden[:, 0]), []
+        for k in range(hidden.shape[1]):  # the recurrence stays sequential, but only over [B, r]
+            out, state = self._cell(hidden[:, k], prev_embs[:, k], state)
+            outs.append(out)
+        return torch.stack(outs, dim=1)  # [B, gamma, r]
 
 
 MARKOV_HEADS = {"vanilla": VanillaMarkovHead, "gated": GatedMarkovHead, "rnn": RnnMarkovHead}

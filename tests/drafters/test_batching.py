@@ -128,3 +128,28 @@ def test_invalid_items_raise_and_leave_state_untouched(name, drafter, reference)
             assert it.state.length == 0
     with pytest.raises(InvalidArgument, match="items"):
         d.propose([])
+
+
+@pytest.mark.parametrize("name,head", [("dspark", None), ("dspark", "gated"), ("dspark-rnn", None), ("dflash", None)])
+def test_teacher_forced_heads_equal_the_slot_by_slot_heads(name, head, drafter, reference, fixtures_dir):
+    """Training's all-slots-at-once heads give run_heads' logits, tokens and confidences (greedy teacher forcing),
+    for the vanilla, gated and RNN Markov heads and for DFlash (no head)."""
+    from dspark_core.drafters import load_drafter
+    from dspark_core.drafters.heads import GatedMarkovHead
+
+    d, ref = drafter(name), reference(name)
+    if head == "gated":  # a private copy of the fixture with its vanilla head under a random gate
+        d = load_drafter(fixtures_dir / name)
+        assert type(d.markov_head).__name__ == "VanillaMarkovHead"
+        torch.manual_seed(0)
+        gated = GatedMarkovHead(d.config)
+        gated.load_state_dict(d.markov_head.state_dict(), strict=False)
+        d.markov_head = gated
+    out = d.draft(prefill_items(d, ref))
+    teacher = torch.cat((torch.tensor([[p["anchor_token"]] for p in ref.prompts]), out.tokens[:, :-1]), dim=1)
+    slotwise = d.run_heads(out.hidden, out.base_logits, teacher[:, 0], teacher_prev=teacher)
+    batched = d.teacher_forced_heads(out.hidden, out.base_logits, teacher)
+    torch.testing.assert_close(batched.logits, slotwise.logits, atol=1e-5, rtol=0)
+    assert torch.equal(batched.tokens, slotwise.tokens) and torch.equal(batched.prev_tokens, teacher)
+    if slotwise.confidence_logits is not None:
+        torch.testing.assert_close(batched.confidence_logits, slotwise.confidence_logits, atol=1e-6, rtol=0)
