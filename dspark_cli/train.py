@@ -80,6 +80,8 @@ def add_parser(sub) -> None:
     g.add_argument("--distill-temperature", type=_temperatures, default=(1.0,), metavar="T[,T...]",
                    help="target sampling temperature (1.0); a list such as 0,1 answers every prompt once per "
                         "temperature (one cache each, under --cache-dir/T<t>) and trains on all of them")
+    g.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="leave out prompts longer than N tokens (default: any that fits the context window)")
     g.add_argument("--concurrency", type=int, default=32, help="prompts answered at once per rank (32)")
     g.add_argument("--cache-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="dtype of cached features (default bfloat16)")
@@ -98,7 +100,9 @@ def add_parser(sub) -> None:
     g.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
     g.add_argument("--fsdp", action="store_true", help="shard parameters / gradients / optimizer (FSDP2) "
                                                       "instead of DistributedDataParallel")
-    g.add_argument("--bf16", action="store_true", help="bfloat16 autocast (CUDA only)")
+    g.add_argument("--bf16", action="store_true",
+                   help="bfloat16 autocast: on CUDA, or on a CPU with native bf16 matmuls (AVX512-BF16 / AMX), where "
+                        "the vocabulary-sized LM-head matmuls dominate a step")
     g = p.add_argument_group("drafter and loss")
     g.add_argument("--block-size", type=int, default=7, help="gamma: block size / Eagle3 TTT length (default 7)")
     g.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: min(5, target layers / 6))")
@@ -186,8 +190,15 @@ def run(args) -> int:
     if args.init_from and not Path(args.init_from, "config.json").is_file():
         raise InvalidArgument("--init-from", args.init_from, "must be a drafter checkpoint directory (config.json)")
     settings = [DistillSettings(max_new_tokens=args.max_new_tokens, temperature=t, seed=args.seed,
-                                concurrency=args.concurrency, dtype=args.cache_dtype) for t in args.distill_temperature]
+                                concurrency=args.concurrency, dtype=args.cache_dtype,
+                                max_prompt_tokens=args.max_prompt_tokens) for t in args.distill_temperature]
     ctx = init_distributed(dist_config_from_env(args.device))
+    if args.bf16 and ctx.device.type == "cpu":
+        from dspark_core.drafters.checkpoint import cpu_has_native_bf16
+
+        if not cpu_has_native_bf16():
+            ctx.close()
+            raise InvalidArgument("--bf16", True, "needs CUDA or a CPU with native bf16 matmuls (AVX512-BF16 / AMX)")
     try:
         if ctx.device.type == "cpu" and ctx.distributed:  # share the cores between the local ranks
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(ctx.world_size)))

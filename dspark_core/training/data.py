@@ -92,13 +92,36 @@ class Sample:
         return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
 
 
+def _read_journal(path: Path | None, header: dict) -> dict[int, Sample]:
+    """Samples a previous, interrupted run of the same distillation wrote (empty if none or if it differs)."""
+    if path is None or not path.is_file():
+        return {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        if not lines or json.loads(lines[0]) != header:
+            return {}
+    except json.JSONDecodeError:
+        return {}
+    done = {}
+    for line in lines[1:]:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a killed run may be cut short
+            break
+        done[r["index"]] = Sample(r["prompt_ids"], r["response_ids"], r["domain"])
+    return done
+
+
 def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, temperature: float = 1.0,
             seed: int = 0, concurrency: int = 32, max_prompt_tokens: int | None = None,
-            progress: bool = True, index_base: int = 0, index_stride: int = 1) -> list[Sample]:
+            progress: bool = True, index_base: int = 0, index_stride: int = 1,
+            journal: str | Path | None = None) -> list[Sample]:
     """Let the target answer every prompt (batched, autoregressive). Prompts that do not fit are skipped.
 
     Prompt i is sampled with a seed from its *global* index `index_base + index_stride * i`, so a rank
     that answers every W-th prompt draws exactly what a single process would.
+    With `journal`, every finished answer is appended to that file as it completes, and a rerun with the
+    same inputs skips the answers already there: an interrupted distillation resumes where it stopped.
     """
     from ..engine import Engine, EngineConfig
     from ..sampling import SamplingParams
@@ -108,22 +131,49 @@ def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, tempera
     # an offline batch job: every prompt may wait in the queue
     engine = Engine(target, None, EngineConfig(policy="ar", max_active=concurrency, max_waiting=max(1, len(prompts))))
     pending: dict[str, tuple[list[int], str]] = {}
-    for i, pr in enumerate(prompts):
-        ids = encode_prompt(target.tokenizer, pr.text)
-        if len(ids) > limit:
+    encoded = [(i, pr, encode_prompt(target.tokenizer, pr.text)) for i, pr in enumerate(prompts)]
+    # Shortest first: a batched step attends over the longest active context, so mixing one long prompt into
+    # a batch of short ones makes every one of them pay for it (and grows every KV slot to its length).
+    # Seeds follow the prompt's index, so the order changes nothing but speed.
+    order = sorted((e for e in encoded if len(e[2]) <= limit), key=lambda e: len(e[2]))
+    journal = Path(journal) if journal is not None else None
+    header = {"journal": "distill", "target": target.name, "max_new_tokens": max_new_tokens,
+              "temperature": temperature, "seed": seed, "index_base": index_base, "index_stride": index_stride,
+              "prompts_sha256": hashlib.sha256("\n".join(p.key for p in prompts).encode()).hexdigest()}
+    resumed = _read_journal(journal, header)
+    if journal is not None:
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        with journal.open("w", encoding="utf-8") as fh:  # rewrite: header + the whole lines kept
+            fh.write(json.dumps(header) + "\n")
+            for i, smp in resumed.items():
+                fh.write(json.dumps({"index": i, "prompt_ids": smp.prompt_ids, "response_ids": smp.response_ids,
+                                     "domain": smp.domain}) + "\n")
+    index_of: dict[str, int] = {}
+    for i, pr, ids in order:
+        if i in resumed:
             continue
         params = SamplingParams(temperature=temperature, seed=seed * 1_000_003 + index_base + index_stride * i,
                                 max_new_tokens=max_new_tokens,
                                 stop_token_ids=target.eos_token_ids)
-        pending[engine.add_request(ids, params)] = (ids, pr.domain)
-    done: dict[str, Sample] = {}
-    bar = tqdm(total=len(pending), desc="distill", unit="seq", disable=not progress)
-    while engine.has_work:
-        for ev in engine.step():
-            if ev.finished:
-                req = engine.pop(ev.request_id)
-                ids, domain = pending[ev.request_id]
-                done[ev.request_id] = Sample(ids, list(req.output_ids), domain)
-                bar.update(1)
+        rid = engine.add_request(ids, params)
+        pending[rid], index_of[rid] = (ids, pr.domain), i
+    done: dict[int, Sample] = dict(resumed)
+    bar = tqdm(total=len(order), initial=len(resumed), desc="distill", unit="seq", disable=not progress)
+    log = journal.open("a", encoding="utf-8") if journal is not None else None
+    try:
+        while engine.has_work:
+            for ev in engine.step():
+                if ev.finished:
+                    req = engine.pop(ev.request_id)
+                    ids, domain = pending[ev.request_id]
+                    smp = done[index_of[ev.request_id]] = Sample(ids, list(req.output_ids), domain)
+                    if log is not None:
+                        log.write(json.dumps({"index": index_of[ev.request_id], "prompt_ids": smp.prompt_ids,
+                                              "response_ids": smp.response_ids, "domain": domain}) + "\n")
+                        log.flush()
+                    bar.update(1)
+    finally:
+        if log is not None:
+            log.close()
     bar.close()
-    return [done[rid] for rid in pending]  # input order, whatever order requests finished in
+    return [done[i] for i, _, _ in sorted(order)]  # input order, whatever order requests ran in

@@ -33,6 +33,8 @@ from dspark_core.training.data import Prompt, Sample, distill
 
 SOURCE_FILE = "source.json"
 SAMPLES_FILE = "samples.jsonl"
+# answers of a distillation in progress, one per line as they finish: an interrupted build resumes from it
+JOURNAL = "distill-rank{rank}.partial.jsonl"
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class DistillSettings:
     seed: int = 0
     concurrency: int = 32
     dtype: str = "bfloat16"  # cache dtype
+    # longer prompts are left out (None: whatever fits the context window with the response)
+    max_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -50,6 +54,9 @@ class DistillSettings:
             raise InvalidArgument("temperature", self.temperature, "must be >= 0")
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise InvalidArgument("concurrency", self.concurrency, "must be an integer >= 1")
+        mp = self.max_prompt_tokens
+        if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
+            raise InvalidArgument("max_prompt_tokens", mp, "must be an integer >= 1")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise InvalidArgument("dtype", self.dtype, "must be bfloat16, float16 or float32")
 
@@ -60,7 +67,16 @@ def source_fingerprint(target, prompts: list[Prompt], settings: DistillSettings)
         h.update(p.key.encode())
     return {"target": target.name, "tap_layer_ids": list(target.config.tap_layer_ids),
             "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
-            "num_prompts": len(prompts), "prompts_sha256": h.hexdigest(), "distill": asdict(settings)}
+            "num_prompts": len(prompts), "prompts_sha256": h.hexdigest(), "distill": _settings_record(settings)}
+
+
+def _settings_record(settings: DistillSettings) -> dict:
+    """The settings as recorded in source.json; an unset prompt limit is left out, so caches recorded before
+    the field existed are still recognised."""
+    record = asdict(settings)
+    if record["max_prompt_tokens"] is None:
+        del record["max_prompt_tokens"]
+    return record
 
 
 _MISMATCH = ("holds a target cache built from other inputs (target, tapped layers, prompts or distillation "
@@ -80,7 +96,8 @@ def _cache_status(cache_dir: Path, fingerprint: dict) -> str:
 
 def _clear(cache_dir: Path) -> None:
     """Remove a previous cache's files (only the ones a cache consists of)."""
-    for pattern in ("shard-rank*.safetensors", "manifest*.json", SOURCE_FILE, SAMPLES_FILE):
+    for pattern in ("shard-rank*.safetensors", "manifest*.json", SOURCE_FILE, SAMPLES_FILE,
+                    JOURNAL.format(rank="*")):
         for f in cache_dir.glob(pattern):
             f.unlink()
 
@@ -141,11 +158,14 @@ def _prepare(target, prompts, cache_dir: Path, ctx, settings, rebuild, progress,
     # Keep only prompts that fit (as distill would), so that sample i of rank r is prompt r + W * i and the
     # gathered samples come back in prompt order whatever the world size.
     limit = target.max_context - settings.max_new_tokens - 1
+    if settings.max_prompt_tokens is not None:
+        limit = min(limit, settings.max_prompt_tokens)
     fitting = [p for p in prompts if len(encode_prompt(target.tokenizer, p.text)) <= limit]
     mine = fitting[ctx.rank::ctx.world_size]
     local = distill(target, mine, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                     seed=settings.seed, concurrency=settings.concurrency, max_prompt_tokens=limit,
-                    progress=progress and ctx.is_main, index_base=ctx.rank, index_stride=ctx.world_size)
+                    progress=progress and ctx.is_main, index_base=ctx.rank, index_stride=ctx.world_size,
+                    journal=cache_dir / JOURNAL.format(rank=ctx.rank))
     assert len(local) == len(mine), "distill skipped a prompt that fits"
     gathered = ctx.all_gather_object([(s.prompt_ids, s.response_ids, s.domain) for s in local])
     order = [(i * ctx.world_size + r, item) for r, part in enumerate(gathered) for i, item in enumerate(part)]
@@ -169,4 +189,5 @@ def _prepare(target, prompts, cache_dir: Path, ctx, settings, rebuild, progress,
             merge_manifests(cache_dir, ctx.world_size)
         (cache_dir / SOURCE_FILE).write_text(json.dumps(fingerprint, indent=1) + "\n")
     ctx.barrier()
+    (cache_dir / JOURNAL.format(rank=ctx.rank)).unlink(missing_ok=True)  # the cache is complete
     return TargetCache(cache_dir)

@@ -100,7 +100,7 @@ class TrainConfig:
     # DSpark: add the greedy confidence output (label 1[argmax draft == argmax target]) beside the T-label head
     greedy_confidence: bool = False
     fsdp: bool = False
-    bf16: bool = False  # autocast on CUDA
+    bf16: bool = False  # bfloat16 autocast (CUDA, or a CPU with native bf16 matmuls)
 
     def __post_init__(self) -> None:
         if self.kind not in L.KINDS:
@@ -496,7 +496,7 @@ class Trainer:
         packed = ctx.all_reduce_sum(torch.cat((den_vec, tokens)))
         den = self._unflat(packed[:-1], dens[0], names)
         num_sum = None
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.bf16 and dev.type == "cuda")
+        autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
         for i, mb in enumerate(batches):
             with grad_sync(self.model, self.mode, enabled=i == len(batches) - 1):
                 with autocast:

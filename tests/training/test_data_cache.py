@@ -52,6 +52,39 @@ def test_distilled_responses_are_the_targets_own(tiny_target_dir):
     assert ref.output_ids == samples[0].response_ids
 
 
+def test_an_interrupted_distillation_resumes_from_its_journal(tiny_target_dir, tmp_path, monkeypatch):
+    """Answers are journaled as they finish; a rerun redoes only the missing ones and returns the same samples
+    in prompt order (seeded T = 1, so a redone answer would differ if the seeds were not per prompt)."""
+    from dspark_core import engine as engine_mod
+
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
+    prompts = [Prompt(f"question {i}: what is {i} + {i}?", "gsm8k", "math") for i in range(6)]
+    kw = dict(max_new_tokens=5, temperature=1.0, seed=3, concurrency=2, progress=False)
+    whole = distill(target, prompts, **kw)
+    journal = tmp_path / "j.jsonl"
+
+    real_step, calls = engine_mod.Engine.step, {"n": 0}
+
+    def dying_step(self):
+        calls["n"] += 1
+        if calls["n"] > 8:
+            raise KeyboardInterrupt  # the job is killed part-way
+        return real_step(self)
+
+    monkeypatch.setattr(engine_mod.Engine, "step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, prompts, journal=journal, **kw)
+    kept = len(journal.read_text().splitlines()) - 1
+    assert 0 < kept < len(prompts)
+    monkeypatch.setattr(engine_mod.Engine, "step", real_step)
+    resumed = distill(target, prompts, journal=journal, **kw)
+    assert [(s.prompt_ids, s.response_ids) for s in resumed] == [(s.prompt_ids, s.response_ids) for s in whole]
+    assert len(journal.read_text().splitlines()) == len(prompts) + 1
+    # a journal of other settings is not reused
+    other = distill(target, prompts, journal=journal, **{**kw, "seed": 4})
+    assert [s.response_ids for s in other] != [s.response_ids for s in whole]
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_cache_round_trip_matches_a_direct_forward(tiny_target_dir, tmp_path, world_size):
     target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32", tap_layer_ids=(0, 1)))
