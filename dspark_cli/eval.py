@@ -40,7 +40,10 @@ def add_common_args(p, max_new_tokens: int) -> None:
     p.add_argument("--drafter", default=None, choices=DRAFTER_NAMES, help="shipped drafter (models/<name>)")
     p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
     p.add_argument("--target", default=None, help="target model directory (default: bundled)")
-    p.add_argument("--limit", type=int, default=None, help="first K eval-split prompts per dataset (default all)")
+    p.add_argument("--split", default="eval", choices=("eval", "all"),
+                   help="eval: the fixed held-out 20%% of each --dataset (default); all: the file as given (a prompt "
+                        "set kept apart from training)")
+    p.add_argument("--limit", type=int, default=None, help="first K prompts of the split per dataset (default all)")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
                    help=f"tokens generated per prompt at most (default {max_new_tokens})")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0, the paper's)")
@@ -91,11 +94,13 @@ def load_prompt_sets(args, tokenizer) -> list[dict]:
     sets = []
     for path in args.dataset:
         prompts = load_prompts(path)
-        _, held = split(prompts, 0.2)
-        held = held[: args.limit]
+        whole = args.split == "all"
+        held = (prompts if whole else split(prompts, 0.2)[1])[: args.limit]
         if not held:
-            raise InvalidArgument("--dataset", path, f"has no prompt in the eval split ({len(prompts)} prompts in all)")
-        sets.append({"dataset": held[0].dataset, "domain": held[0].domain, "split": "eval (20%, hashed)",
+            raise InvalidArgument("--dataset", path, f"has no prompt in the {'file' if whole else 'eval split'} "
+                                                     f"({len(prompts)} prompts in all)")
+        sets.append({"dataset": held[0].dataset, "domain": held[0].domain,
+                     "split": "all (the file as given)" if whole else "eval (20%, hashed)",
                      "prompts": [encode_prompt(tokenizer, pr.text) for pr in held]})
     return sets
 

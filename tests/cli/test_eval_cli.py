@@ -70,6 +70,24 @@ def test_eval_text_dataset_on_tiny_model_with_random_drafter(tiny_target_dir, tm
     assert rc == 0 and json.loads(capsys.readouterr().out)["drafter"] == "mine"
 
 
+def test_split_all_takes_the_file_as_given(tiny_target_dir, tmp_path, capsys):
+    from dspark_core.training.data import load_prompts, split
+
+    build_tiny_dspark(tiny_target_dir, tmp_path / "random-dspark")
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps({"turns": [f"What is {i} + {i}?"]}) + "\n" for i in range(12)))
+    n_eval = len(split(load_prompts(str(data)), 0.2)[1])
+    counts = {}
+    for which in ("eval", "all"):
+        assert main(["eval", "--dataset", str(data), "--drafter-path", str(tmp_path / "random-dspark"),
+                     "--target", str(tiny_target_dir), "--max-new-tokens", "2", "--split", which, "--json",
+                     "--no-rollouts"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        counts[which] = r["num_prompts"]
+        assert r["split"].startswith(which)
+    assert counts == {"eval": n_eval, "all": 12} and n_eval < 12
+
+
 def test_a_training_runs_checkpoint_is_named_after_the_run(tmp_path):
     from dspark_cli.eval import drafter_label
     assert drafter_label(tmp_path / "exp-l2" / "final") == "exp-l2"
