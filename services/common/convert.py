@@ -1,7 +1,9 @@
 """Proto <-> domain conversions shared by the servicers and the remote clients.
 
-Sampling parameters, context features ([n, L*H] in dspark_core, [n, L, H] on the wire), draft blocks
-(packed SparseDistribution rows <-> [n, k] support tensors) and finish reasons. Every malformed value
+The one place protos and dspark_core types meet, one function per direction: sampling parameters,
+context features ([n, L*H] in dspark_core, [n, L, H] on the wire), draft supports (SparseDistribution
+rows <-> [n, k] support tensors), draft blocks (VerifyItem <-> DraftBlock), proposals (proto Proposal <->
+drafter Proposal) and finish reasons. Every malformed value
 raises dspark_core.errors.InvalidArgument naming the proto field. Knows nothing about servers or Redis.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark_core.drafters.base import Proposal
 from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import SamplingParams
 from dspark_core.verification import DraftBlock
@@ -82,39 +85,67 @@ def features_from_proto(msg: types_pb2.ContextFeatures, field: str, num_layers: 
     return t.reshape(t.shape[0], -1)
 
 
-def block_to_proto(block: DraftBlock, item) -> None:
-    """DraftBlock -> VerifyItem.draft_token_ids / draft_supports."""
-    item.draft_token_ids.extend(block.tokens)
-    if block.support_ids is None:
-        return
-    for ids, probs in zip(block.support_ids.tolist(), block.support_probs.tolist()):
-        d = item.draft_supports.add()
+def supports_to_proto(support_ids: torch.Tensor, support_probs: torch.Tensor, out) -> None:
+    """[n, k] support ids / probs -> n SparseDistribution rows appended to `out` (a repeated field)."""
+    for ids, probs in zip(support_ids.tolist(), support_probs.float().tolist()):
+        d = out.add()
         d.token_ids.extend(ids)
         d.probs.extend(probs)
 
 
+def supports_from_proto(supports, num_tokens: int, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseDistribution rows (one per draft token) -> [n, k] ids / probs; ragged rows are padded with
+    zero-probability copies of their first id."""
+    if len(supports) != num_tokens:
+        raise InvalidArgument(f"{field}.draft_supports", f"{len(supports)} supports",
+                              f"must hold one support per draft token ({num_tokens})")
+    k = max(len(s.token_ids) for s in supports)
+    ids = torch.zeros((num_tokens, k), dtype=torch.long)
+    probs = torch.zeros((num_tokens, k), dtype=torch.float32)
+    for i, s in enumerate(supports):
+        if len(s.token_ids) != len(s.probs) or not s.token_ids:
+            raise InvalidArgument(f"{field}.draft_supports[{i}]", f"{len(s.token_ids)} ids, {len(s.probs)} probs",
+                                  "must hold as many probs as token_ids, at least one")
+        ids[i, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
+        ids[i, len(s.token_ids):] = s.token_ids[0]
+        probs[i, : len(s.probs)] = torch.tensor(list(s.probs))
+    return ids, probs
+
+
+def block_to_proto(block: DraftBlock, item) -> None:
+    """DraftBlock -> VerifyItem.draft_token_ids / draft_supports."""
+    item.draft_token_ids.extend(block.tokens)
+    if block.support_ids is not None:
+        supports_to_proto(block.support_ids, block.support_probs, item.draft_supports)
+
+
 def block_from_proto(item, field: str) -> DraftBlock:
-    """VerifyItem drafts -> DraftBlock; ragged supports are padded with zero-probability entries."""
+    """VerifyItem drafts -> DraftBlock (supports validated, see supports_from_proto)."""
     tokens = tuple(item.draft_token_ids)
-    supports = list(item.draft_supports)
-    try:
-        if not supports:
-            return DraftBlock(tokens=tokens)
-        if len(supports) != len(tokens):
-            raise InvalidArgument(f"{field}.draft_supports", f"{len(supports)} supports",
-                                  f"must hold one support per draft token ({len(tokens)})")
-        k = max(len(s.token_ids) for s in supports)
-        ids = torch.zeros((len(tokens), k), dtype=torch.long)
-        probs = torch.zeros((len(tokens), k), dtype=torch.float32)
-        for i, s in enumerate(supports):
-            if len(s.token_ids) != len(s.probs) or not s.token_ids:
-                raise InvalidArgument(f"{field}.draft_supports[{i}]", f"{len(s.token_ids)} ids, {len(s.probs)} probs",
-                                      "must hold as many probs as token_ids, at least one")
-            ids[i, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
-            ids[i, len(s.token_ids):] = s.token_ids[0]
-            probs[i, : len(s.probs)] = torch.tensor(list(s.probs))
-        return DraftBlock(tokens=tokens, support_ids=ids, support_probs=probs)
-    except InvalidArgument as exc:
-        if exc.field.startswith(field):
-            raise
-        raise InvalidArgument(f"{field}.{exc.field}", exc.value, exc.requirement) from None
+    if not item.draft_supports:
+        return DraftBlock(tokens=tokens)
+    ids, probs = supports_from_proto(item.draft_supports, len(tokens), field)
+    return DraftBlock(tokens=tokens, support_ids=ids, support_probs=probs)
+
+
+def proposal_to_proto(prop: Proposal, max_tokens: int, out: types_pb2.Proposal) -> None:
+    """A drafter's Proposal, cut to its first `max_tokens` drafts -> proto Proposal's drafts, supports and
+    confidences (without a confidence head: each draft token's own draft probability)."""
+    n = min(len(prop.tokens), max_tokens)
+    out.draft_token_ids.extend(int(t) for t in prop.tokens[:n])
+    draft_probs = [1.0] * n
+    if prop.support_ids is not None:
+        supports_to_proto(prop.support_ids[:n], prop.support_probs[:n], out.draft_supports)
+        for r, d in enumerate(out.draft_supports):
+            draft_probs[r] = sum(q for t, q in zip(d.token_ids, d.probs) if t == prop.tokens[r])
+    out.confidences.extend(prop.confidences[:n].tolist() if prop.confidences is not None else draft_probs)
+
+
+def proposal_from_proto(p: types_pb2.Proposal, field: str = "proposal") -> Proposal:
+    """proto Proposal (status OK) -> a drafter Proposal, as the engine receives it from a local drafter."""
+    n = len(p.draft_token_ids)
+    ids = probs = None
+    if p.draft_supports and n > 0:
+        ids, probs = supports_from_proto(p.draft_supports, n, field)
+    conf = torch.tensor(list(p.confidences), dtype=torch.float32) if len(p.confidences) == n else None
+    return Proposal(tokens=list(p.draft_token_ids), support_ids=ids, support_probs=probs, confidences=conf)

@@ -19,12 +19,12 @@ import torch
 
 from dspark_core.drafters.base import ProposeItem
 from dspark_core.errors import InvalidArgument
-from dspark_core.sampling import make_generator
+from dspark_core.sampling import derive_seed, make_generator
 from dspark_protos.dspark.v1 import drafter_service_pb2_grpc, types_pb2
 
 from ..common import metrics
 from ..common.batcher import Coalescer
-from ..common.convert import features_from_proto
+from ..common.convert import features_from_proto, proposal_to_proto
 from ..common.errors import Unavailable
 from ..common.heartbeat import Ewma
 
@@ -53,10 +53,6 @@ class _Job:
     max_draft_tokens: int
     tokens: list[int] | None = None  # context_token_ids, one per feature row (None: not sent)
     error: tuple[int, str, int] | None = None  # (status, message, context_length)
-
-
-def _seed_for(seed: int, position: int) -> int:
-    return (seed * 1_000_003 + position * 7919 + 17) % (2**63)
 
 
 class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
@@ -130,7 +126,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
             seen.add(j.request_id)
             feats = j.features if j.features is not None else torch.zeros(
                 (0, self.feature_size), dtype=self.param_dtype, device=self.param_device)
-            gen = make_generator(_seed_for(j.seed, j.anchor_pos)) if (j.temperature > 0 and j.seed is not None) else None
+            gen = make_generator(derive_seed(j.seed, j.anchor_pos)) if (j.temperature > 0 and j.seed is not None) else None
             items.append(ProposeItem(state=ctx.state, new_features=feats, new_positions_start=j.start,
                                      new_tokens=j.tokens if j.tokens is not None else self._new_tokens(ctx, j.start, rows),
                                      anchor=j.anchor,
@@ -211,20 +207,9 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 continue
             prop, dt = o
             stats = dt
-            n = min(len(prop.tokens), j.max_draft_tokens)
             p.status = types_pb2.ITEM_STATUS_OK
             p.context_length = j.anchor_pos
-            p.draft_token_ids.extend(int(t) for t in prop.tokens[:n])
-            draft_probs = [1.0] * n
-            if prop.support_ids is not None:
-                ids, probs = prop.support_ids[:n].tolist(), prop.support_probs[:n].float().tolist()
-                for r, (ri, rp) in enumerate(zip(ids, probs)):
-                    d = p.draft_supports.add()
-                    d.token_ids.extend(ri)
-                    d.probs.extend(rp)
-                    draft_probs[r] = sum(q for t, q in zip(ri, rp) if t == prop.tokens[r])
-            conf = prop.confidences[:n].tolist() if prop.confidences is not None else draft_probs
-            p.confidences.extend(conf)
+            proposal_to_proto(prop, j.max_draft_tokens, p)
         if stats is not None:
             resp.stats.CopyFrom(types_pb2.StepStats(num_requests=len(jobs), num_tokens=len(jobs) * self.drafter.block_size,
                                                     forward_seconds=stats, queue_seconds=queued))

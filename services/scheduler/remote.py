@@ -24,12 +24,12 @@ import torch
 from dspark_core.drafters.base import Proposal
 from dspark_core.errors import InvalidArgument, NotFound, ResourceExhausted
 from dspark_core.sampling import SamplingParams
-from dspark_core.verifier import PrefillItem, StepResult, VerifyItem
+from dspark_core.verifier import PrefillItem, StepResult, VerifyItem, validate_prompt_ids
 from dspark_protos.dspark.v1 import types_pb2
 
 from ..common import metrics
 from ..common.convert import (block_to_proto, features_from_proto, features_to_proto, params_to_dict,
-                              params_to_proto)
+                              params_to_proto, proposal_from_proto)
 from ..common.errors import Unavailable
 from ..common.registry import Registry
 from ..common.tracing import outgoing_metadata, tracer
@@ -72,10 +72,6 @@ class TargetInfo:
     tap_layer_ids: tuple[int, ...]
     sps_points: list
     tokenizer: object = None
-
-    @property
-    def config(self):
-        return self
 
     @classmethod
     def from_proto(cls, info) -> "TargetInfo":
@@ -120,16 +116,7 @@ class RemoteVerifier:
     def validate_prompt(self, ids) -> None:
         """Verifier.validate_prompt against the verifiers' published model (no round trip)."""
         t = self.target
-        if not ids:
-            raise InvalidArgument("prompt_ids", list(ids), "must not be empty")
-        if t is None:
-            return
-        if len(ids) >= t.max_context:
-            raise InvalidArgument("prompt_ids", f"{len(ids)} tokens",
-                                  f"must be shorter than the context window ({t.max_context} tokens)")
-        bad = [x for x in ids if not 0 <= x < t.vocab_size]
-        if bad:
-            raise InvalidArgument("prompt_ids", bad[:5], f"must be token ids in [0, {t.vocab_size})")
+        validate_prompt_ids(ids, t and t.vocab_size, t and t.max_context)
 
     @property
     def num_active(self) -> int:
@@ -452,7 +439,7 @@ class RemoteDrafter:
                 h: DraftHandle = items[i].state
                 if p.status == types_pb2.ITEM_STATUS_OK:
                     h.length, h.resend = int(p.context_length), False
-                    out[i] = _proposal(p)
+                    out[i] = proposal_from_proto(p, f"proposals[{i}]")
                 elif p.status in (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST, types_pb2.ITEM_STATUS_POSITION_MISMATCH):
                     if last:
                         raise Unavailable(f"propose {h.request_id}: {p.error_message}")
@@ -468,17 +455,3 @@ class RemoteDrafter:
                     raise InvalidArgument(f"propose item {h.request_id}", p.error_message, "was refused by the drafter")
         return retry
 
-
-def _proposal(p) -> Proposal:
-    n = len(p.draft_token_ids)
-    ids = probs = None
-    if len(p.draft_supports) == n and n > 0:
-        k = max(len(s.token_ids) for s in p.draft_supports)
-        ids = torch.zeros((n, k), dtype=torch.long)
-        probs = torch.zeros((n, k), dtype=torch.float32)
-        for r, s in enumerate(p.draft_supports):
-            ids[r, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
-            ids[r, len(s.token_ids):] = s.token_ids[0]
-            probs[r, : len(s.probs)] = torch.tensor(list(s.probs))
-    conf = torch.tensor(list(p.confidences), dtype=torch.float32) if len(p.confidences) == n else None
-    return Proposal(tokens=list(p.draft_token_ids), support_ids=ids, support_probs=probs, confidences=conf)
