@@ -165,7 +165,6 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         if not request.items:
             raise InvalidArgument("items", [], "must hold at least one ProposeItem")
         jobs = []
-        max_k = self.drafter.support_size
         for i, it in enumerate(request.items):
             f = f"items[{i}]"
             job = _Job(i, it.request_id, None, int(it.context_features.start_position), int(it.anchor_token_id),
@@ -176,8 +175,6 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                     raise InvalidArgument(f"{f}.request_id", it.request_id, "must not be empty")
                 if not (it.temperature >= 0):
                     raise InvalidArgument(f"{f}.temperature", it.temperature, "must be >= 0")
-                if it.support_size > max_k:
-                    raise InvalidArgument(f"{f}.support_size", it.support_size, f"must be in [0, {max_k}]")
                 if it.max_draft_tokens > self.drafter.block_size:
                     raise InvalidArgument(f"{f}.max_draft_tokens", it.max_draft_tokens,
                                           f"must be in [0, {self.drafter.block_size}]")
@@ -234,7 +231,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
             head = types_pb2.SEQUENTIAL_HEAD_RNN if cfg.markov_head_type == "rnn" else types_pb2.SEQUENTIAL_HEAD_MARKOV
         return types_pb2.DrafterServiceGetInfoResponse(
             drafter_id=self.drafter_id, drafter_name=d.name, kind=_KINDS.get(d.kind, 0), sequential_head=head,
-            has_confidence_head=bool(cfg.enable_confidence_head), block_size=d.block_size + 1,
-            max_draft_tokens=d.block_size, max_support_size=d.support_size,
+            has_confidence_head=bool(cfg.enable_confidence_head), block_size=d.block_size,
+            max_support_size=d.support_size,
             target_model_name=str(cfg.extra.get("target_model_name_or_path", "") or ""),
             target_layer_ids=[int(x) for x in d.target_layer_ids], target_hidden_size=self.hidden)

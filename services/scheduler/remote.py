@@ -258,8 +258,6 @@ class RemoteVerifier:
                 it, req = items[i], self.requests[items[i].request_id]
                 pi = msg.items.add(request_id=it.request_id, anchor_token_id=it.anchor, anchor_position=it.anchor_pos)
                 block_to_proto(it.draft, pi)
-                params_to_proto(req.params, pi.sampling.params)
-                pi.sampling.num_generated = len(req.generated)
             futures.append((pod, idx, pod.stub.Verify.future(msg, timeout=self.timeout_s, metadata=md)))
         for pod, idx, fut in futures:
             try:
@@ -330,7 +328,7 @@ class RemoteDrafter:
         self.name = info.drafter_name
         self.kind = {types_pb2.DRAFTER_KIND_DSPARK: "dspark", types_pb2.DRAFTER_KIND_DFLASH: "dflash",
                      types_pb2.DRAFTER_KIND_EAGLE3: "eagle3"}.get(info.kind, "unknown")
-        self.block_size = int(info.max_draft_tokens)
+        self.block_size = int(info.block_size)
         self.target_layer_ids = tuple(info.target_layer_ids)
         self.support_size = int(info.max_support_size)
         self.has_confidence = bool(info.has_confidence_head)
