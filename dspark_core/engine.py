@@ -9,6 +9,11 @@ Continuous batching: requests join (`add_request`) and leave (finish or `cancel`
    KV rollback to the accepted prefix, and the committed tokens' target features handed to the drafter.
 Autoregressive decoding is the same loop with no drafter (every block is just the anchor).
 
+Its seams (docs/architecture.md): the target, the verifier (`prefill` / `verify` / `release`), the
+drafter (dspark_core.drafters.base.Drafter, with `new_state_for` / `release_state` per request), the
+`policy` (built from the dspark_core.scheduling registry, or given) and the `observer`, which receives
+one `StepRecord` per step. Nothing outside the engine needs to wrap or write into it.
+
 The engine owns no threads and no I/O: `dspark generate`, the benchmark and the services drive it.
 It knows nothing about text: prompts and outputs are token ids.
 """
@@ -174,7 +179,8 @@ class Engine:
         `verifier` is given: anything with Verifier's prefill / verify / release (e.g. a remote client).
 
         `policy`: called as policy(confidences, sps, request_ids) each round; None builds `config.policy`
-        from the dspark_core.scheduling registry ("ar" without a drafter). `observer`: called with one
+        from the dspark_core.scheduling registry ("ar" without a drafter). A given policy stands in for
+        `config.policy`, whose needs (a cost table, confidences) are still checked here. `observer`: called with one
         `StepRecord` at the end of every step (on the caller's thread; it must not call back into the engine).
         """
         self.target, self.drafter, self.config = target, drafter, config
@@ -188,10 +194,10 @@ class Engine:
                 raise InvalidArgument("tap_layer_ids", target.tap_layer_ids,
                                       f"must equal the drafter's target_layer_ids {tuple(drafter.target_layer_ids)}")
             self.block_size = config.block_size or drafter.block_size
-            if policy is None and spec.needs_confidence and not drafter.has_confidence:
+            if spec.needs_confidence and not drafter.has_confidence:
                 raise InvalidArgument("policy", config.policy,
                                       f"needs a drafter with a confidence head; {drafter.name} has none")
-        if policy is None and scheduling.policy_spec(config.policy).needs_sps and sps is None:
+        if scheduling.policy_spec(config.policy).needs_sps and sps is None:
             raise InvalidArgument("policy", config.policy, "needs the target's SPS cost table (run `dspark profile`)")
         self._draft_seconds = 0.0
         self._sps_cache: dict = {}
