@@ -3,22 +3,29 @@
 The one place protos and dspark_core types meet, one function per direction: sampling parameters,
 context features ([n, L*H] in dspark_core, [n, L, H] on the wire), draft supports (SparseDistribution
 rows <-> [n, k] support tensors), draft blocks (VerifyItem <-> DraftBlock), proposals (proto Proposal <->
-drafter Proposal) and finish reasons. Every malformed value
-raises dspark_core.errors.InvalidArgument naming the proto field. Knows nothing about servers or Redis.
+drafter Proposal), ProposeItem, Prefill / Verify results -> StepResult (and back), GetInfo -> TargetInfo,
+drafter kinds and finish reasons. Every malformed value raises dspark_core.errors.InvalidArgument naming
+the proto field. Knows nothing about servers or Redis.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from dspark_core.drafters.base import Proposal
+from dspark_core.drafters.base import Proposal, ProposeItem
 from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import SamplingParams
 from dspark_core.verification import DraftBlock
+from dspark_core.verifier import PrefillItem, StepResult, VerifyItem
 from dspark_protos.dspark.v1 import types_pb2
 from dspark_protos.tensors import tensor_from_proto, tensor_to_proto
 
 DEFAULT_MAX_NEW_TOKENS = 128
+
+DRAFTER_KINDS = {"dspark": types_pb2.DRAFTER_KIND_DSPARK, "dflash": types_pb2.DRAFTER_KIND_DFLASH,
+                 "eagle3": types_pb2.DRAFTER_KIND_EAGLE3}
 
 FINISH_REASONS = {
     "stop": types_pb2.FINISH_REASON_STOP,
@@ -149,3 +156,71 @@ def proposal_from_proto(p: types_pb2.Proposal, field: str = "proposal") -> Propo
         ids, probs = supports_from_proto(p.draft_supports, n, field)
     conf = torch.tensor(list(p.confidences), dtype=torch.float32) if len(p.confidences) == n else None
     return Proposal(tokens=list(p.draft_token_ids), support_ids=ids, support_probs=probs, confidences=conf)
+
+
+def kind_to_proto(kind: str) -> int:
+    """A drafter's kind ("dspark", "dflash", "eagle3") -> DrafterKind (UNSPECIFIED for any other)."""
+    return DRAFTER_KINDS.get(kind, types_pb2.DRAFTER_KIND_UNSPECIFIED)
+
+
+def kind_from_proto(kind: int) -> str:
+    return next((name for name, value in DRAFTER_KINDS.items() if value == kind), "unknown")
+
+
+@dataclass
+class TargetInfo:
+    """The engine's target seam (tap_layer_ids, max_context, vocab_size), from a verifier's GetInfo."""
+
+    name: str
+    vocab_size: int
+    max_context: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+    tap_layer_ids: tuple[int, ...]
+    sps_points: list
+    tokenizer: object = None
+
+
+def target_info_from_proto(info: types_pb2.VerifierServiceGetInfoResponse) -> TargetInfo:
+    return TargetInfo(info.model_name, info.vocab_size, info.max_context_length, info.hidden_size,
+                      tuple(info.eos_token_ids), tuple(info.tap_layer_ids),
+                      [(p.num_tokens, p.steps_per_second) for p in info.sps_table.points])
+
+
+def verify_result_to_proto(res: StepResult, num_layers: int, out: types_pb2.VerifyResult) -> None:
+    """A Verifier's StepResult -> an OK VerifyResult (committed tokens, stop, the committed features)."""
+    out.status = types_pb2.ITEM_STATUS_OK
+    out.num_accepted = res.num_accepted
+    out.committed_token_ids.extend(res.tokens)
+    out.stopped = res.stopped
+    if res.stopped:
+        out.finish_reason = types_pb2.FINISH_REASON_STOP
+    features_to_proto(res.features, res.features_start, num_layers, out.context_features)
+
+
+def prefill_result_from_proto(resp: types_pb2.PrefillResponse, item: PrefillItem) -> StepResult:
+    """A PrefillResponse for `item` -> the StepResult a local Verifier's prefill would have returned."""
+    return StepResult(item.request_id, [resp.anchor_token_id], 0, resp.stopped,
+                      features_from_proto(resp.context_features, "context_features"), 0, list(item.prompt_ids))
+
+
+def verify_result_from_proto(r: types_pb2.VerifyResult, item: VerifyItem) -> StepResult:
+    """An OK VerifyResult for `item` -> the StepResult a local Verifier would have returned."""
+    a = r.num_accepted
+    return StepResult(item.request_id, list(r.committed_token_ids), a, r.stopped,
+                      features_from_proto(r.context_features, "context_features"), item.anchor_pos,
+                      [item.anchor, *item.draft.tokens[:a]])
+
+
+def propose_item_to_proto(request_id: str, it: ProposeItem, features: torch.Tensor, start: int, tokens,
+                          num_layers: int, seed: int | None) -> types_pb2.ProposeItem:
+    """One request's drafting input -> ProposeItem; `features` / `start` / `tokens` are the context to
+    send (the new positions, or all of them on a resend). Tokens go along when there is one per row."""
+    msg = types_pb2.ProposeItem(request_id=request_id, anchor_token_id=int(it.anchor),
+                                anchor_position=int(it.anchor_pos), temperature=float(it.temperature))
+    features_to_proto(features, start, num_layers, msg.context_features)
+    if len(tokens) == features.shape[0]:  # the tokens at the feature rows (EAGLE-3 conditions on them)
+        msg.context_token_ids.extend(int(t) for t in tokens)
+    if seed is not None:
+        msg.seed = seed
+    return msg

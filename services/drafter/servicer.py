@@ -24,13 +24,11 @@ from dspark_protos.dspark.v1 import drafter_service_pb2_grpc, types_pb2
 
 from ..common import metrics
 from ..common.batcher import Coalescer
-from ..common.convert import features_from_proto, proposal_to_proto
+from ..common.convert import features_from_proto, kind_to_proto, proposal_to_proto
 from ..common.errors import Unavailable
 from ..common.heartbeat import Ewma
 
 _S = "drafter"
-_KINDS = {"dspark": types_pb2.DRAFTER_KIND_DSPARK, "dflash": types_pb2.DRAFTER_KIND_DFLASH,
-          "eagle3": types_pb2.DRAFTER_KIND_EAGLE3}
 
 
 @dataclass
@@ -230,7 +228,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         if d.kind == "dspark" and cfg.markov_rank > 0:
             head = types_pb2.SEQUENTIAL_HEAD_RNN if cfg.markov_head_type == "rnn" else types_pb2.SEQUENTIAL_HEAD_MARKOV
         return types_pb2.DrafterServiceGetInfoResponse(
-            drafter_id=self.drafter_id, drafter_name=d.name, kind=_KINDS.get(d.kind, 0), sequential_head=head,
+            drafter_id=self.drafter_id, drafter_name=d.name, kind=kind_to_proto(d.kind), sequential_head=head,
             has_confidence_head=bool(cfg.enable_confidence_head), block_size=d.block_size,
             max_support_size=d.support_size,
             target_model_name=str(cfg.extra.get("target_model_name_or_path", "") or ""),

@@ -28,8 +28,9 @@ from dspark_core.verifier import PrefillItem, StepResult, VerifyItem, validate_p
 from dspark_protos.dspark.v1 import types_pb2
 
 from ..common import metrics
-from ..common.convert import (block_to_proto, features_from_proto, features_to_proto, params_to_dict,
-                              params_to_proto, proposal_from_proto)
+from ..common.convert import (TargetInfo, block_to_proto, features_from_proto, kind_from_proto, params_to_dict,
+                              params_to_proto, prefill_result_from_proto, propose_item_to_proto, proposal_from_proto,
+                              target_info_from_proto, verify_result_from_proto)
 from ..common.errors import Unavailable
 from ..common.registry import Registry
 from ..common.tracing import outgoing_metadata, tracer
@@ -61,26 +62,6 @@ def _raise_status(exc: grpc.RpcError, where: str):
 
 
 @dataclass
-class TargetInfo:
-    """What the engine reads from its target, taken from a verifier's GetInfo."""
-
-    name: str
-    vocab_size: int
-    max_context: int
-    hidden_size: int
-    eos_token_ids: tuple[int, ...]
-    tap_layer_ids: tuple[int, ...]
-    sps_points: list
-    tokenizer: object = None
-
-    @classmethod
-    def from_proto(cls, info) -> "TargetInfo":
-        return cls(info.model_name, info.vocab_size, info.max_context_length, info.hidden_size,
-                   tuple(info.eos_token_ids), tuple(info.tap_layer_ids),
-                   [(p.num_tokens, p.steps_per_second) for p in info.sps_table.points])
-
-
-@dataclass
 class _Request:
     prompt: list[int]
     params: SamplingParams
@@ -100,7 +81,7 @@ class RemoteVerifier:
         for _ in range(MAX_ATTEMPTS):
             pod = self.pool.pick()
             try:
-                info = TargetInfo.from_proto(pod.stub.GetInfo(types_pb2.VerifierServiceGetInfoRequest(),
+                info = target_info_from_proto(pod.stub.GetInfo(types_pb2.VerifierServiceGetInfoRequest(),
                                                               timeout=self.timeout_s))
                 self.num_layers = len(info.tap_layer_ids)
                 self.target = info
@@ -165,9 +146,7 @@ class RemoteVerifier:
                         self.release(it.request_id)
                         _raise_status(exc, "prefill")
                 req.generated = [resp.anchor_token_id]
-                feats = features_from_proto(resp.context_features, "context_features")
-                out.append(StepResult(it.request_id, [resp.anchor_token_id], 0, resp.stopped, feats, 0,
-                                      list(it.prompt_ids)))
+                out.append(prefill_result_from_proto(resp, it))
             return out
 
     def _start_prefill(self, it: PrefillItem, req: _Request, md, tried: set):
@@ -276,11 +255,8 @@ class RemoteVerifier:
                 it = items[i]
                 req = self.requests[it.request_id]
                 if r.status == types_pb2.ITEM_STATUS_OK:
-                    feats = features_from_proto(r.context_features, "context_features")
-                    a = r.num_accepted
                     req.generated.extend(r.committed_token_ids)
-                    results[i] = StepResult(it.request_id, list(r.committed_token_ids), a, r.stopped, feats,
-                                            it.anchor_pos, [it.anchor, *it.draft.tokens[:a]])
+                    results[i] = verify_result_from_proto(r, it)
                 elif r.status in (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST, types_pb2.ITEM_STATUS_POSITION_MISMATCH):
                     if last:
                         raise Unavailable(f"verify {it.request_id}: {r.error_message}")
@@ -326,8 +302,7 @@ class RemoteDrafter:
                  timeout_s: float = 60.0):
         self.pool, self.verifier, self.timeout_s = pool, verifier, timeout_s
         self.name = info.drafter_name
-        self.kind = {types_pb2.DRAFTER_KIND_DSPARK: "dspark", types_pb2.DRAFTER_KIND_DFLASH: "dflash",
-                     types_pb2.DRAFTER_KIND_EAGLE3: "eagle3"}.get(info.kind, "unknown")
+        self.kind = kind_from_proto(info.kind)
         self.block_size = int(info.block_size)
         self.target_layer_ids = tuple(info.target_layer_ids)
         self.support_size = int(info.max_support_size)
@@ -373,18 +348,11 @@ class RemoteDrafter:
 
     def _item(self, it, seed: int | None) -> types_pb2.ProposeItem:
         h: DraftHandle = it.state
-        msg = types_pb2.ProposeItem(request_id=h.request_id, anchor_token_id=int(it.anchor),
-                                    anchor_position=int(it.anchor_pos), temperature=float(it.temperature))
         if h.resend:  # the whole context, from the verifier
             (feats, tokens), start = self.verifier.context_features(h.request_id, it.anchor_pos), 0
         else:
             feats, tokens, start = it.new_features, it.new_tokens, it.new_positions_start
-        features_to_proto(feats, start, len(self.target_layer_ids), msg.context_features)
-        if len(tokens) == feats.shape[0]:  # the tokens at the feature rows (EAGLE-3 conditions on them)
-            msg.context_token_ids.extend(int(t) for t in tokens)
-        if seed is not None:
-            msg.seed = seed
-        return msg
+        return propose_item_to_proto(h.request_id, it, feats, start, tokens, len(self.target_layer_ids), seed)
 
     def propose(self, items) -> list[Proposal]:
         with tracer.start_as_current_span("drafter.propose") as span:

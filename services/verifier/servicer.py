@@ -23,7 +23,7 @@ from dspark_protos.tensors import TORCH_TO_DTYPE
 from ..common import metrics
 from ..common.batcher import Coalescer
 from ..common.errors import Unavailable
-from ..common.convert import block_from_proto, features_to_proto, params_from_proto
+from ..common.convert import block_from_proto, features_to_proto, params_from_proto, verify_result_to_proto
 from ..common.heartbeat import Ewma
 
 _S = "verifier"
@@ -217,13 +217,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
                 r.status, r.error_message = res.status, res.message
                 continue
             stats = stats or (dt, tokens, nreq)
-            r.status = types_pb2.ITEM_STATUS_OK
-            r.num_accepted = res.num_accepted
-            r.committed_token_ids.extend(res.tokens)
-            r.stopped = res.stopped
-            if res.stopped:
-                r.finish_reason = types_pb2.FINISH_REASON_STOP
-            features_to_proto(res.features, res.features_start, self.num_layers, r.context_features)
+            verify_result_to_proto(res, self.num_layers, r)
         if stats:
             resp.stats.CopyFrom(types_pb2.StepStats(num_requests=stats[2], num_tokens=stats[1],
                                                     forward_seconds=stats[0], queue_seconds=queued))
