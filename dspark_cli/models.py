@@ -1,5 +1,6 @@
-"""Where the CLI finds the shipped models (`$DSPARK_MODELS_DIR`, else the checkout's `models/`), and the
-drafter-matmul flag. Loading itself is dspark_core.stack's, shared with the services."""
+"""Where the CLI finds models (shipped: `$DSPARK_MODELS_DIR`, else the checkout's `models/`; installed:
+`$DSPARK_HOME/models`), and the drafter-matmul flag. Loading itself is dspark_core.stack's, shared with
+the services."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 from pathlib import Path
 
 from dspark_core import stack
+from dspark_core.errors import ModelLoadError
 from dspark_core.stack import DRAFTER_NAMES, MATMUL_DTYPES, load_stack  # noqa: F401 - the CLI's names
 
 __all__ = ["DRAFTER_NAMES", "MATMUL_DTYPES", "add_matmul_dtype_arg", "default_target", "drafter_dir", "load_stack",
