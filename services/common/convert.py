@@ -135,6 +135,31 @@ def block_from_proto(item, field: str) -> DraftBlock:
     return DraftBlock(tokens=tokens, support_ids=ids, support_probs=probs)
 
 
+def verify_item_to_proto(item: VerifyItem, out: types_pb2.VerifyItem) -> None:
+    """The engine's VerifyItem -> proto VerifyItem (the verifier holds the request's sampling state)."""
+    out.request_id, out.anchor_token_id, out.anchor_position = item.request_id, item.anchor, item.anchor_pos
+    block_to_proto(item.draft, out)
+
+
+def verify_item_from_proto(msg: types_pb2.VerifyItem, field: str) -> VerifyItem:
+    if not msg.request_id:
+        raise InvalidArgument(f"{field}.request_id", msg.request_id, "must not be empty")
+    return VerifyItem(msg.request_id, int(msg.anchor_token_id), int(msg.anchor_position), block_from_proto(msg, field))
+
+
+def prefill_item_to_proto(item: PrefillItem) -> types_pb2.PrefillRequest:
+    msg = types_pb2.PrefillRequest(request_id=item.request_id, prompt_token_ids=list(item.prompt_ids))
+    params_to_proto(item.params, msg.sampling)
+    return msg
+
+
+def prefill_item_from_proto(msg: types_pb2.PrefillRequest, extra_stop_ids=()) -> PrefillItem:
+    """PrefillRequest -> PrefillItem; `extra_stop_ids` (the target's EOS ids) join the request's stop ids."""
+    if not msg.request_id:
+        raise InvalidArgument("request_id", msg.request_id, "must not be empty")
+    return PrefillItem(msg.request_id, tuple(msg.prompt_token_ids), params_from_proto(msg.sampling, extra_stop_ids))
+
+
 def proposal_to_proto(prop: Proposal, max_tokens: int, out: types_pb2.Proposal) -> None:
     """A drafter's Proposal, cut to its first `max_tokens` drafts -> proto Proposal's drafts, supports and
     confidences (without a confidence head: each draft token's own draft probability)."""

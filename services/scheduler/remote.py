@@ -28,9 +28,10 @@ from dspark_core.verifier import PrefillItem, StepResult, VerifyItem, validate_p
 from dspark_protos.dspark.v1 import types_pb2
 
 from ..common import metrics
-from ..common.convert import (TargetInfo, block_to_proto, features_from_proto, kind_from_proto, params_to_dict,
-                              params_to_proto, prefill_result_from_proto, propose_item_to_proto, proposal_from_proto,
-                              target_info_from_proto, verify_result_from_proto)
+from ..common.convert import (TargetInfo, features_from_proto, kind_from_proto, params_to_dict, params_to_proto,
+                              prefill_item_to_proto, prefill_result_from_proto, propose_item_to_proto,
+                              proposal_from_proto, target_info_from_proto, verify_item_to_proto,
+                              verify_result_from_proto)
 from ..common.errors import Unavailable
 from ..common.registry import Registry
 from ..common.tracing import outgoing_metadata, tracer
@@ -152,8 +153,7 @@ class RemoteVerifier:
     def _start_prefill(self, it: PrefillItem, req: _Request, md, tried: set):
         pod = self.pool.pick(exclude=tried)
         self._assign(req, pod)
-        msg = types_pb2.PrefillRequest(request_id=it.request_id, prompt_token_ids=list(it.prompt_ids))
-        params_to_proto(it.params, msg.sampling)
+        msg = prefill_item_to_proto(it)
         return pod, pod.stub.Prefill.future(msg, timeout=self.timeout_s, metadata=md), tried
 
     # -- resume (failover)
@@ -234,9 +234,7 @@ class RemoteVerifier:
             pod = self.pool.get(addr) or self.requests[items[idx[0]].request_id].pod
             msg = types_pb2.VerifyRequest()
             for i in idx:
-                it, req = items[i], self.requests[items[i].request_id]
-                pi = msg.items.add(request_id=it.request_id, anchor_token_id=it.anchor, anchor_position=it.anchor_pos)
-                block_to_proto(it.draft, pi)
+                verify_item_to_proto(items[i], msg.items.add())
             futures.append((pod, idx, pod.stub.Verify.future(msg, timeout=self.timeout_s, metadata=md)))
         for pod, idx, fut in futures:
             try:
