@@ -175,7 +175,9 @@ def run(args) -> int:
 
     from dspark_core.benchmark import plan, plot_results, run_benchmark, total_requests
 
-    from .generate import _load_sps, _quiet_transformers
+    from dspark_core.stack import load_sps
+
+    from .generate import _quiet_transformers
     from .models import load_stack
 
     settings = check_args(args)  # validate before loading anything
@@ -193,7 +195,7 @@ def run(args) -> int:
         sps = quick_sps(target, max(settings.concurrencies) * block)
         sps_source = "quick profile in this process (--profile-sps, not saved)"
     elif wants_sps:
-        sps = _load_sps(target_dir)
+        sps = load_sps(target_dir)
         sps_source = str(Path(target_dir) / "sps.json") if sps is not None else None
     hf = None
     hf_config = None

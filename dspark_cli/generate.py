@@ -8,6 +8,7 @@ import sys
 import time
 
 from dspark_core.errors import InvalidArgument
+from dspark_core.stack import load_sps
 from dspark_core.text import encode_prompt
 
 from .models import DRAFTER_NAMES, add_matmul_dtype_arg, default_target, load_stack, resolve_drafter_path
@@ -97,7 +98,7 @@ def run(args) -> int:
     policy = args.policy if drafter is not None else "ar"
     # DeepSpec's round protocol, so that released checkpoints reproduce their reference traces round by round
     engine = Engine(target, drafter, EngineConfig(policy=policy, block_size=args.block_size, deepspec_rounds=True),
-                    sps=_load_sps(args.target or default_target()))
+                    sps=load_sps(args.target or default_target()))
     streamer = None
     if not args.json and target.tokenizer is not None:
         streamer = TextStreamer(target.tokenizer)
@@ -127,18 +128,6 @@ def run(args) -> int:
     elif streamer is None:
         print(" ".join(map(str, req.output_ids)))
     return 0
-
-
-def _load_sps(target_dir: str):
-    """The target's profiled cost table when `dspark profile` saved one beside it."""
-    from pathlib import Path
-
-    path = Path(target_dir) / "sps.json"
-    if not path.exists():
-        return None
-    from dspark_core.cost_model import SpsTable
-
-    return SpsTable.load(path)
 
 
 def _quiet_transformers() -> None:

@@ -1,15 +1,18 @@
-"""Where the shipped models live, and loading a target (+ drafter) the way every command does."""
+"""Where the CLI finds models (shipped: `$DSPARK_MODELS_DIR`, else the checkout's `models/`; installed:
+`$DSPARK_HOME/models`), and the drafter-matmul flag. Loading itself is dspark_core.stack's, shared with
+the services."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from dspark_core import stack
 from dspark_core.errors import ModelLoadError
+from dspark_core.stack import DRAFTER_NAMES, MATMUL_DTYPES, load_stack  # noqa: F401 - the CLI's names
 
-DRAFTER_NAMES = ("dspark", "dspark-rnn", "dflash", "eagle3")
-# == dspark_core.drafters.checkpoint.MATMUL_DTYPES (tested), spelled out here so parsing needs no torch
-MATMUL_DTYPES = ("auto", "float32", "bfloat16", "int8")
+__all__ = ["DRAFTER_NAMES", "MATMUL_DTYPES", "add_matmul_dtype_arg", "default_target", "drafter_dir", "load_stack",
+           "models_dir", "resolve_drafter_path"]
 
 
 def add_matmul_dtype_arg(p, flag: str = "--drafter-matmul-dtype", default: str = "auto") -> None:
@@ -21,8 +24,7 @@ def add_matmul_dtype_arg(p, flag: str = "--drafter-matmul-dtype", default: str =
 
 def models_dir() -> Path:
     """`$DSPARK_MODELS_DIR`, else the `models/` folder of the source checkout."""
-    env = os.environ.get("DSPARK_MODELS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
+    return stack.models_dir(os.environ.get("DSPARK_MODELS_DIR"))
 
 
 def install_dir() -> Path:
@@ -70,50 +72,14 @@ def smollm2_gguf() -> Path | None:
 
 
 def default_target() -> str:
-    return str(models_dir() / "target")
+    return stack.default_target(models_dir())
 
 
 def resolve_drafter_path(name: str | None, path: str | None) -> str | None:
     """`--drafter-path` wins; `--drafter none` is autoregressive; `auto` takes the shipped DSpark if present."""
-    if path:
-        return path
-    if name in (None, "none"):
-        return None
-    if name == "auto":
-        p = models_dir() / "dspark"
-        return str(p) if (p / "config.json").exists() else None
-    p = models_dir() / name
-    if not (p / "config.json").exists():
-        raise ModelLoadError(f"drafter {name!r} is not installed (looked in {p})")
-    return str(p)
+    return stack.resolve_drafter_path(name, path, models_dir())
 
 
 def drafter_dir(name_or_path: str) -> str:
     """A drafter checkpoint directory as given, else a shipped drafter's name (see resolve_drafter_path)."""
-    return name_or_path if Path(name_or_path).is_dir() else resolve_drafter_path(name_or_path, None)
-
-
-def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto",
-               drafter_matmul_dtype: str = "auto"):
-    """Load the drafter (if any) first: its config says which target layers to tap."""
-    from dspark_core.target import TargetConfig, TargetRuntime
-
-    drafter = None
-    taps: tuple[int, ...] = ()
-    if drafter_path:
-        from dspark_core.drafters import load_drafter
-        from dspark_core.target import resolve_device, resolve_dtype
-
-        dev = resolve_device(device)
-        drafter = load_drafter(drafter_path, device=dev, dtype=resolve_dtype(dtype, dev),
-                               matmul_dtype=drafter_matmul_dtype)
-        taps = tuple(drafter.target_layer_ids)
-    target = TargetRuntime(TargetConfig(model_dir=target_dir, device=device, dtype=dtype, tap_layer_ids=taps))
-    if drafter is not None and target.vocab_size != drafter.vocab_size:
-        raise ModelLoadError(
-            f"drafter vocabulary ({drafter.vocab_size}) does not match the target's ({target.vocab_size})")
-    if drafter is not None:
-        from dspark_core.drafters.checkpoint import share_target_weights
-
-        share_target_weights(drafter, target.input_embeddings.weight, target.output_embeddings.weight)
-    return target, drafter
+    return stack.drafter_dir(name_or_path, models_dir())

@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .errors import InvalidArgument
+from .scheduling import POLICIES as _REGISTRY
 
-POLICIES = ("causal", "async", "fixed", "gamma1", "threshold", "ar")
-SPS_POLICIES = ("causal", "async")
-CONFIDENCE_POLICIES = ("causal", "async", "threshold")
+# views of the one registry (dspark_core.scheduling.POLICIES)
+POLICIES = tuple(_REGISTRY)
+SPS_POLICIES = tuple(n for n, spec in _REGISTRY.items() if spec.needs_sps)
+CONFIDENCE_POLICIES = tuple(n for n, spec in _REGISTRY.items() if spec.needs_confidence)
 HF_MODES = ("greedy", "assisted", "prompt_lookup")
 
 

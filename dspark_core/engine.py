@@ -9,6 +9,11 @@ Continuous batching: requests join (`add_request`) and leave (finish or `cancel`
    KV rollback to the accepted prefix, and the committed tokens' target features handed to the drafter.
 Autoregressive decoding is the same loop with no drafter (every block is just the anchor).
 
+Its seams (docs/architecture.md): the target, the verifier (`prefill` / `verify` / `release`), the
+drafter (dspark_core.drafters.base.Drafter, with `new_state_for` / `release_state` per request), the
+`policy` (built from the dspark_core.scheduling registry, or given) and the `observer`, which receives
+one `StepRecord` per step. Nothing outside the engine needs to wrap or write into it.
+
 The engine owns no threads and no I/O: `dspark generate`, the benchmark and the services drive it.
 It knows nothing about text: prompts and outputs are token ids.
 """
@@ -19,27 +24,28 @@ import dataclasses
 import itertools
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from . import scheduling
+from .drafters.base import Proposal, ProposeItem
 from .errors import InvalidArgument, NotFound, ResourceExhausted
 from .sampling import SamplingParams, make_generator
 from .target import TargetRuntime
 from .verification import DraftBlock
 from .verifier import PrefillItem, StepResult, Verifier, VerifyItem
 
-# Policies that need per-position confidences from the drafter.
-_CONFIDENCE_POLICIES = ("causal", "async", "threshold")
 # log-width of the buckets in which the drafting-time EMA shares a derived cost table (~5%)
 _OVERHEAD_BUCKET = 0.05
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # how many draft tokens the target may verify per request and step: a policy name of
-    # dspark_core.scheduling ("fixed", "causal", "async", "threshold", "gamma1", "ar")
+    # how many draft tokens the target may verify per request and step: a name (or alias) of the
+    # dspark_core.scheduling registry ("fixed", "causal", "async", "threshold", "gamma1", "ar")
     policy: str = "fixed"
     # draft block size; None = the drafter's own
     block_size: int | None = None
@@ -58,8 +64,7 @@ class EngineConfig:
     count_draft_time: bool = True
 
     def __post_init__(self):
-        if self.policy not in ("fixed", "causal", "async", "threshold", "gamma1", "ar"):
-            raise InvalidArgument("policy", self.policy, "must be one of fixed, causal, async, threshold, gamma1, ar")
+        object.__setattr__(self, "policy", scheduling.policy_spec(self.policy).name)  # aliases -> the name
         if self.block_size is not None and not 1 <= self.block_size <= 32:
             raise InvalidArgument("block_size", self.block_size, "must be in [1, 32]")
         if not 0.0 <= self.confidence_threshold <= 1.0:
@@ -121,52 +126,92 @@ class StepEvent:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did, handed to the engine's `observer` at its end (one record per step).
+
+    `request_ids` are the requests of this step's round in batch order; `proposals` (the drafter's,
+    untruncated; empty without a drafter) and `lengths` (draft tokens verified) are aligned with them.
+    `admitted` are the requests prefilled this step. `timings` maps each stage that ran ("prefill",
+    "draft", "verify") to its (start, end) in time.time_ns().
+    """
+
+    step: int
+    request_ids: tuple[str, ...]
+    proposals: tuple[Proposal, ...]
+    lengths: tuple[int, ...]
+    admitted: tuple[str, ...]
+    timings: dict[str, tuple[int, int]]
+    events: tuple[StepEvent, ...]
+
+
+Observer = Callable[[StepRecord], None]
+
+
+class _StepLog:
+    """The engine's scratch record of the step in progress (becomes a StepRecord)."""
+
+    __slots__ = ("request_ids", "proposals", "lengths", "admitted", "timings")
+
+    def __init__(self):
+        self.request_ids: list[str] = []
+        self.proposals: list[Proposal] = []
+        self.lengths: list[int] = []
+        self.admitted: list[str] = []
+        self.timings: dict[str, tuple[int, int]] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        t0 = time.time_ns()
+        try:
+            yield
+        finally:
+            self.timings[name] = (t0, time.time_ns())
+
+
 class Engine:
     """Runs many requests' speculative decoding over one target and at most one drafter."""
 
     def __init__(self, target: TargetRuntime, drafter=None, config: EngineConfig = EngineConfig(),
-                 sps: Callable[[int], float] | None = None, verifier=None):
-        """`target` may be any object with `config.tap_layer_ids`, `max_context` and `vocab_size` when a
-        `verifier` is given: anything with Verifier's prefill / verify / release (e.g. a remote client)."""
+                 sps: Callable[[int], float] | None = None, verifier=None, policy: scheduling.Policy | None = None,
+                 observer: Observer | None = None):
+        """`target` may be any object with `tap_layer_ids`, `max_context` and `vocab_size` when a
+        `verifier` is given: anything with Verifier's prefill / verify / release (e.g. a remote client).
+
+        `policy`: called as policy(confidences, sps, request_ids) each round; None builds `config.policy`
+        from the dspark_core.scheduling registry ("ar" without a drafter). A given policy stands in for
+        `config.policy`, whose needs (a cost table, confidences) are still checked here. `observer`: called with one
+        `StepRecord` at the end of every step (on the caller's thread; it must not call back into the engine).
+        """
         self.target, self.drafter, self.config = target, drafter, config
         self.verifier = verifier if verifier is not None else Verifier(target)
         self.sps = sps
+        self.observer = observer
         self.block_size = 0
+        spec = scheduling.policy_spec(config.policy if drafter is not None else "ar")
         if drafter is not None:
-            if tuple(drafter.target_layer_ids) != tuple(target.config.tap_layer_ids):
-                raise InvalidArgument("tap_layer_ids", target.config.tap_layer_ids,
+            if tuple(drafter.target_layer_ids) != tuple(target.tap_layer_ids):
+                raise InvalidArgument("tap_layer_ids", target.tap_layer_ids,
                                       f"must equal the drafter's target_layer_ids {tuple(drafter.target_layer_ids)}")
             self.block_size = config.block_size or drafter.block_size
-            if config.policy in _CONFIDENCE_POLICIES and not drafter.has_confidence:
+            if spec.needs_confidence and not drafter.has_confidence:
                 raise InvalidArgument("policy", config.policy,
                                       f"needs a drafter with a confidence head; {drafter.name} has none")
-        if config.policy in ("causal", "async") and sps is None:
+        if scheduling.policy_spec(config.policy).needs_sps and sps is None:
             raise InvalidArgument("policy", config.policy, "needs the target's SPS cost table (run `dspark profile`)")
         self._draft_seconds = 0.0
         self._sps_cache: dict = {}
-        self._policy = self._make_policy()
+        # a policy given by the caller may read the cost table; a registry baseline never does
+        self._policy_reads_sps = policy is not None or spec.needs_sps
+        if policy is None:
+            opts = {"threshold": config.confidence_threshold} if spec.name == "threshold" else {}
+            policy = scheduling.make_policy(spec.name, **opts)
+        self.policy = policy
         self.waiting: list[RequestState] = []
         self.active: list[RequestState] = []
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_steps = 0
-
-    def _make_policy(self):
-        from . import scheduling
-
-        cfg = self.config
-        if self.drafter is None or cfg.policy == "ar":
-            return lambda confs: [0] * len(confs)
-        if cfg.policy == "fixed":
-            return scheduling.fixed_schedule
-        if cfg.policy == "gamma1":
-            return scheduling.gamma1_schedule
-        if cfg.policy == "threshold":
-            return lambda confs: scheduling.threshold_schedule(confs, cfg.confidence_threshold)
-        if cfg.policy == "causal":
-            return lambda confs: scheduling.causal_prefix_schedule(confs, self._sps_for(len(confs)))
-        async_sched = scheduling.AsyncScheduler()
-        return lambda confs: async_sched.schedule(confs, self._sps_for(len(confs)))
 
     def _sps_for(self, requests: int):
         """The cost curve of this step: a table's row for `requests` requests when it has rows, plus the
@@ -228,8 +273,8 @@ class Engine:
         if req.on_verifier:
             self.verifier.release(req.request_id)
             req.on_verifier = False
-        if req.draft_state is not None and hasattr(self.drafter, "release_state"):
-            self.drafter.release_state(req.draft_state)  # drafters holding state elsewhere (a remote one)
+        if req.draft_state is not None:
+            self.drafter.release_state(req.draft_state)
         req.draft_state = None
         if req in self.active:
             self.active.remove(req)
@@ -256,28 +301,34 @@ class Engine:
     # -- one step
     def step(self) -> list[StepEvent]:
         events: dict[str, list[int]] = {}
-        self._admit(events)
+        rec = _StepLog()
+        self._admit(events, rec)
         if self.active:
-            self._round(events)
+            self._round(events, rec)
         self.num_steps += 1
         out = []
         for rid, toks in events.items():
             req = self.requests[rid]
             out.append(StepEvent(rid, tuple(toks), req.finished, req.finish_reason))
+        if self.observer is not None:
+            self.observer(StepRecord(self.num_steps, tuple(rec.request_ids), tuple(rec.proposals),
+                                     tuple(rec.lengths), tuple(rec.admitted), rec.timings, tuple(out)))
         return out
 
-    def _admit(self, events: dict[str, list[int]]) -> None:
+    def _admit(self, events: dict[str, list[int]], rec: "_StepLog") -> None:
         room = self.config.max_active - len(self.active)
         joining, self.waiting = self.waiting[:room], self.waiting[room:]
         if not joining:
             return
-        results = self.verifier.prefill([PrefillItem(r.request_id, tuple(r.prompt_ids), r.params) for r in joining])
+        with rec.stage("prefill"):
+            results = self.verifier.prefill([PrefillItem(r.request_id, tuple(r.prompt_ids), r.params)
+                                             for r in joining])
         for req, res in zip(joining, results):
             req.on_verifier = True
             self.active.append(req)
+            rec.admitted.append(req.request_id)
             if self.drafter is not None:
-                new_state_for = getattr(self.drafter, "new_state_for", None)  # drafters keyed by request id
-                req.draft_state = new_state_for(req.request_id) if new_state_for else self.drafter.new_state()
+                req.draft_state = self.drafter.new_state_for(req.request_id)
             self._commit(req, res, events)
 
     def _commit(self, req: RequestState, res: StepResult, events: dict[str, list[int]]) -> None:
@@ -288,21 +339,22 @@ class Engine:
         kept = self._emit(req, res.tokens, res.stopped)
         events.setdefault(req.request_id, []).extend(kept)
 
-    def _round(self, events: dict[str, list[int]]) -> None:
+    def _round(self, events: dict[str, list[int]], rec: "_StepLog") -> None:
         reqs = list(self.active)
+        rec.request_ids = [r.request_id for r in reqs]
         drafts: list[DraftBlock] = [DraftBlock(tokens=())] * len(reqs)
         if self.drafter is not None:
-            drafts = self._draft(reqs)
-        results = self.verifier.verify([VerifyItem(r.request_id, r.anchor, r.anchor_pos, d)
-                                        for r, d in zip(reqs, drafts)])
+            drafts = self._draft(reqs, rec)
+        rec.lengths = [len(d.tokens) for d in drafts]
+        with rec.stage("verify"):
+            results = self.verifier.verify([VerifyItem(r.request_id, r.anchor, r.anchor_pos, d)
+                                            for r, d in zip(reqs, drafts)])
         for req, draft, res in zip(reqs, drafts, results):
             req.accepted_per_round.append(res.num_accepted)
             req.proposed_per_round.append(len(draft.tokens))
             self._commit(req, res, events)
 
-    def _draft(self, reqs: list[RequestState]) -> list[DraftBlock]:
-        from .drafters.base import ProposeItem
-
+    def _draft(self, reqs: list[RequestState], rec: "_StepLog") -> list[DraftBlock]:
         items = []
         for r in reqs:
             items.append(ProposeItem(
@@ -310,14 +362,17 @@ class Engine:
                 new_tokens=r.pending_tokens, anchor=r.anchor, anchor_pos=r.anchor_pos,
                 temperature=r.params.temperature, generator=r.draft_generator))
         start = time.perf_counter()
-        proposals = self.drafter.propose(items)
+        with rec.stage("draft"):
+            proposals = self.drafter.propose(items)
         elapsed = time.perf_counter() - start
+        rec.proposals = proposals
         gamma = self.block_size
         confs = []
         for p in proposals:
             c = p.confidences
             confs.append([1.0] * len(p.tokens[:gamma]) if c is None else c[:gamma].tolist())
-        lengths = self._policy(confs)
+        sps = self._sps_for(len(confs)) if self._policy_reads_sps else None
+        lengths = self.policy(confs, sps, rec.request_ids)
         # exponential moving average of the drafting time per step (the policies' fixed per-step cost), updated
         # after this step's schedule: a decision only ever sees earlier steps' timings
         self._draft_seconds = elapsed if self._draft_seconds <= 0 else 0.8 * self._draft_seconds + 0.2 * elapsed

@@ -127,32 +127,18 @@ def _sigmoid(x: float) -> float:
 # ---- running the engine ------------------------------------------------------------------------------
 
 
-class _RecordingDrafter:
-    """Wraps a drafter; remembers each request's proposals (tokens + raw confidence logits) in order."""
+class _ProposalLog:
+    """An engine observer: remembers each request's proposals (tokens + raw confidence logits) in order."""
 
-    def __init__(self, drafter):
-        self._inner = drafter
-        self._owner: dict[int, tuple[str, object]] = {}
+    def __init__(self):
         self.proposals: dict[str, list[tuple[list[int], list[float] | None]]] = {}
 
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def new_state_for(self, request_id: str):
-        state = self._inner.new_state()
-        self._owner[id(state)] = (request_id, state)  # holding the state keeps its id unique
-        self.proposals[request_id] = []
-        return state
-
-    def propose(self, items):
-        props = self._inner.propose(items)
-        for it, p in zip(items, props):
+    def __call__(self, record) -> None:
+        for rid, p in zip(record.request_ids, record.proposals):
             logits = None if p.confidence_logits is None else [float(x) for x in p.confidence_logits]
-            self.proposals[self._owner[id(it.state)][0]].append((list(p.tokens), logits))
-        return props
+            self.proposals.setdefault(rid, []).append((list(p.tokens), logits))
 
     def forget(self, request_id: str) -> list:
-        self._owner = {k: v for k, v in self._owner.items() if v[0] != request_id}
         return self.proposals.pop(request_id, [])
 
 
@@ -190,9 +176,9 @@ def run_rounds(target, drafter, prompts: list[list[int]], *, block_size: int | N
 
     if not prompts:
         raise InvalidArgument("prompts", 0, "must hold at least one prompt")
-    recorder = _RecordingDrafter(drafter)
-    engine = Engine(target, recorder, EngineConfig(policy="fixed", block_size=block_size, max_active=concurrency,
-                                                  max_waiting=len(prompts) + 1))
+    recorder = _ProposalLog()
+    engine = Engine(target, drafter, EngineConfig(policy="fixed", block_size=block_size, max_active=concurrency,
+                                                 max_waiting=len(prompts) + 1), observer=recorder)
     log = RoundLog(confidence_logits=[] if drafter.has_confidence else None)
     order: dict[str, int] = {}
     for i, ids in enumerate(prompts):

@@ -106,6 +106,15 @@ def target_probs(
     return scores.softmax(dim=-1)
 
 
+def derive_seed(seed: int | None, position: int) -> int | None:
+    """The one seed derivation: a request's seed keyed by a position (a verifier resuming a request at
+    `position`, a drafter drafting from anchor `position`), so that a stream restarted there is reproducible
+    and independent of where else it ran. None stays None (unseeded)."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + position) % (2**63)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for one request on `device`; a None seed gets a fresh nondeterministic seed."""
     if seed is not None and (not _is_int(seed) or not 0 <= seed < _MAX_SEED):

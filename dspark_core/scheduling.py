@@ -32,13 +32,15 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dspark_core.cost_model import SpsLike, SpsTable, sps_callable
 from dspark_core.errors import InvalidArgument
 
 Confidences = Sequence[Sequence[float]]
-Policy = Callable[[Confidences, SpsLike], list[int]]
+# policy(confidences, sps, request_ids=None) -> lengths (see the registry below)
+Policy = Callable[..., list[int]]
 
 
 # -- input handling ----------------------------------------------------------------------------------
@@ -199,7 +201,7 @@ class AsyncScheduler:
         # [<= 2] pools of the last two steps, oldest first, as tuples of tuples of floats
         self._history: deque[tuple[tuple[Any, ...], ...]] = deque(maxlen=2)
 
-    def schedule(self, confidences: Confidences, sps: SpsLike) -> list[int]:
+    def schedule(self, confidences: Confidences, sps: SpsLike, request_ids: Any = None) -> list[int]:
         rows = _rows(confidences)
         if len(self._history) == 2:
             lengths = async_topk_schedule(rows, async_capacity(self._history[0], sps))
@@ -282,18 +284,72 @@ def retrospective_global_schedule(confidences: Confidences, sps: SpsLike) -> lis
     return pool.lengths(pool.best_prefix(fn, early_stop=False))
 
 
-# -- policy selection --------------------------------------------------------------------------------
+# -- the policy registry -----------------------------------------------------------------------------
+#
+# The one place policies are named: the engine, the CLI, the benchmark and the services all resolve names
+# here. A built policy is called as policy(confidences, sps, request_ids=None) -> lengths, where
+# `request_ids` names the rows' requests in order (for wrappers that route requests, e.g. the scheduler
+# service's cluster budgets; the policies here ignore it).
 
-POLICY_NAMES = ("causal", "async", "threshold", "fixed", "gamma1", "ar")
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a named policy needs from the engine: a cost table, per-position confidences."""
+
+    name: str
+    needs_sps: bool
+    needs_confidence: bool
+
+
+POLICIES: dict[str, PolicySpec] = {spec.name: spec for spec in (
+    PolicySpec("causal", needs_sps=True, needs_confidence=True),
+    PolicySpec("async", needs_sps=True, needs_confidence=True),
+    PolicySpec("threshold", needs_sps=False, needs_confidence=True),
+    PolicySpec("fixed", needs_sps=False, needs_confidence=False),
+    PolicySpec("gamma1", needs_sps=False, needs_confidence=False),
+    PolicySpec("ar", needs_sps=False, needs_confidence=False),
+)}
+POLICY_NAMES = tuple(POLICIES)
+# other spellings accepted wherever a policy is named (the wire, flags)
+POLICY_ALIASES = {"async_topk": "async"}
+
+
+def policy_spec(name: str, field: str = "policy") -> PolicySpec:
+    """The registered policy `name` (or an alias of it); InvalidArgument naming `field` otherwise."""
+    spec = POLICIES.get(POLICY_ALIASES.get(name, name)) if isinstance(name, str) else None
+    if spec is None:
+        raise InvalidArgument(field, name, f"must be one of {', '.join(POLICY_NAMES)}")
+    return spec
+
+
+class _Stateless:
+    """A pure schedule function bound to its options, with the registry's call signature."""
+
+    __slots__ = ("fn", "options")
+
+    def __init__(self, fn: Callable[..., list[int]], **options: Any):
+        self.fn, self.options = fn, options
+
+    def __call__(self, confidences: Confidences, sps: SpsLike = None, request_ids: Any = None) -> list[int]:
+        return self.fn(confidences, **self.options)
+
+
+class _Causal:
+    __slots__ = ()
+
+    def __call__(self, confidences: Confidences, sps: SpsLike, request_ids: Any = None) -> list[int]:
+        return causal_prefix_schedule(confidences, sps)
 
 
 def make_policy(name: str, **kw: Any) -> Policy:
-    """A policy by name, with one signature: policy(confidences, sps) -> lengths.
+    """A policy by name (or alias), with one signature: policy(confidences, sps, request_ids=None) -> lengths.
 
     "causal" and "async" use sps; the baselines ignore it. Options: "threshold" needs `threshold=`;
     "fixed" takes an optional `length=`. "async" returns a fresh `AsyncScheduler` (it keeps state, so
     use one per verifier batch stream).
     """
+    name = policy_spec(name).name
+
     def no_options() -> None:
         if kw:
             key = sorted(kw)[0]
@@ -301,7 +357,7 @@ def make_policy(name: str, **kw: Any) -> Policy:
 
     if name == "causal":
         no_options()
-        return causal_prefix_schedule
+        return _Causal()
     if name == "async":
         no_options()
         return AsyncScheduler()
@@ -311,19 +367,14 @@ def make_policy(name: str, **kw: Any) -> Policy:
         threshold = kw.pop("threshold")
         no_options()
         threshold_schedule([], threshold)  # validate now, not on the first round
-        return lambda confidences, sps=None: threshold_schedule(confidences, threshold)
+        return _Stateless(threshold_schedule, threshold=threshold)
     if name == "fixed":
         length = kw.pop("length", None)
         no_options()
         fixed_schedule([], length)
-        return lambda confidences, sps=None: fixed_schedule(confidences, length)
-    if name == "gamma1":
-        no_options()
-        return lambda confidences, sps=None: gamma1_schedule(confidences)
-    if name == "ar":
-        no_options()
-        return lambda confidences, sps=None: ar_schedule(confidences)
-    raise InvalidArgument("policy", name, f"must be one of {', '.join(POLICY_NAMES)}")
+        return _Stateless(fixed_schedule, length=length)
+    no_options()
+    return _Stateless(gamma1_schedule if name == "gamma1" else ar_schedule)
 
 
 # -- overhead measurement ----------------------------------------------------------------------------

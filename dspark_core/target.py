@@ -293,6 +293,11 @@ class TargetRuntime:
         return self._lm_head
 
     @property
+    def tap_layer_ids(self) -> tuple[int, ...]:
+        """The layers whose outputs the forward pass taps for the drafter (what the engine checks)."""
+        return tuple(self.config.tap_layer_ids)
+
+    @property
     def tap_width(self) -> int:
         return len(self.config.tap_layer_ids) * self.hidden_size
 

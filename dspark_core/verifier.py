@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidArgument, NotFound
-from .sampling import SamplingParams, make_generator, sample_token
+from .sampling import SamplingParams, derive_seed, make_generator, sample_token
 from .target import Sequence, TargetRuntime
 from .verification import DraftBlock, verify_block
 
@@ -63,11 +63,17 @@ class _Slot:
     generator: torch.Generator
 
 
-def _seed_for(params: SamplingParams, position: int) -> int | None:
-    """A resumed request continues from a generator keyed by (seed, position): reproducible, still exact."""
-    if params.seed is None:
-        return None
-    return (params.seed * 1_000_003 + position) % (2**63)
+def validate_prompt_ids(ids, vocab_size: int | None, max_context: int | None, field: str = "prompt_ids") -> None:
+    """The one prompt check (engine, verifier, services): refuse a prompt a target with this vocabulary and
+    context window can never serve: empty, too long, or with unknown token ids (None: not known yet)."""
+    if not ids:
+        raise InvalidArgument(field, list(ids), "must not be empty")
+    if max_context is not None and len(ids) >= max_context:
+        raise InvalidArgument(field, f"{len(ids)} tokens",
+                              f"must be shorter than the context window ({max_context} tokens)")
+    bad = [] if vocab_size is None else [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(field, bad[:5], f"must be token ids in [0, {vocab_size})")
 
 
 class Verifier:
@@ -83,15 +89,8 @@ class Verifier:
         return len(self._slots)
 
     def validate_prompt(self, ids) -> None:
-        """Refuse a prompt this target can never serve: empty, too long, or with unknown token ids."""
-        if not ids:
-            raise InvalidArgument("prompt_ids", list(ids), "must not be empty")
-        if len(ids) >= self.target.max_context:
-            raise InvalidArgument("prompt_ids", f"{len(ids)} tokens",
-                                  f"must be shorter than the context window ({self.target.max_context} tokens)")
-        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise InvalidArgument("prompt_ids", bad[:5], f"must be token ids in [0, {self.target.vocab_size})")
+        """Refuse a prompt this target can never serve (see validate_prompt_ids)."""
+        validate_prompt_ids(ids, self.target.vocab_size, self.target.max_context)
 
     def _check_prompt(self, request_id: str, ids) -> None:
         self.validate_prompt(ids)
@@ -126,7 +125,7 @@ class Verifier:
         if not generated_ids:
             raise InvalidArgument("generated_ids", list(generated_ids), "must hold at least the anchor token")
         self._check_prompt(request_id, ids[:-1])
-        s = _Slot(self.target.new_sequence(), params, make_generator(_seed_for(params, len(ids))))
+        s = _Slot(self.target.new_sequence(), params, make_generator(derive_seed(params.seed, len(ids))))
         try:
             out = self.target.forward([(s.seq, ids[:-1])], last_logits_only=True)
         except Exception:

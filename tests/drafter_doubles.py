@@ -12,10 +12,10 @@ import random
 import torch
 from transformers import AutoModelForCausalLM
 
-from dspark_core.drafters.base import Proposal
+from dspark_core.drafters.base import LocalStates, Proposal
 
 
-class OracleDrafter:
+class OracleDrafter(LocalStates):
     name, kind = "oracle", "test"
     target_layer_ids: tuple[int, ...] = ()
     has_confidence = True

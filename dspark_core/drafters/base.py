@@ -1,7 +1,8 @@
 """The protocol the engine calls on every drafter, and its per-round data types.
 
 One drafting round for a batch of requests is one `Drafter.propose(items)` call. Each `ProposeItem`
-carries a request's opaque drafter state (from `new_state()`, mutated by the drafter), the target
+carries a request's opaque drafter state (from `new_state_for(request_id)`, mutated by the drafter, handed
+back with `release_state` when the request ends), the target
 features of the positions committed since the last call and the new anchor token. The drafter returns
 one `Proposal` per item: `gamma` draft tokens and, when sampling, the top-k support and renormalised
 draft probabilities the verifier needs for lossless rejection sampling.
@@ -75,7 +76,27 @@ class Drafter(Protocol):
 
     def new_state(self) -> object: ...
 
+    def new_state_for(self, request_id: str) -> object:
+        """The state of request `request_id` (the engine calls this once per request): drafters that key
+        state by request (a remote one) use the id; local ones return `new_state()`."""
+        ...
+
+    def release_state(self, state: object) -> None:
+        """The request of `state` is finished: free what the drafter holds for it (a no-op for local ones)."""
+        ...
+
     def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
+
+
+class LocalStates:
+    """`new_state_for` / `release_state` for drafters whose whole per-request state is the object that
+    `new_state()` returns (garbage-collected with the request)."""
+
+    def new_state_for(self, request_id: str) -> object:
+        return self.new_state()
+
+    def release_state(self, state: object) -> None:
+        return None
 
 
 def validate_items(items: list[ProposeItem], state_type: type, feature_size: int, vocab_size: int) -> None:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from dspark_core.drafters.backbone import ParallelBackbone
-from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE, Proposal, ProposeItem, draw_uniforms, validate_items
+from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_uniforms,
+                                      validate_items)
 from dspark_core.drafters.config import ARCH_DSPARK, DrafterConfig
 from dspark_core.drafters.heads import ConfidenceHead, build_markov_head
 from dspark_core.drafters.kv_cache import KVCache
@@ -72,7 +73,7 @@ def _check_support_size(support_size: int) -> None:
         raise InvalidArgument("support_size", support_size, "must be an integer >= 1")
 
 
-class DSparkDrafter(ParallelBackbone):
+class DSparkDrafter(LocalStates, ParallelBackbone):
     def __init__(self, config: DrafterConfig, support_size: int = DEFAULT_SUPPORT_SIZE, name: str | None = None):
         if config.architecture != ARCH_DSPARK:
             raise InvalidArgument("architectures", config.architecture, f"must be {ARCH_DSPARK} for DSpark/DFlash")

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE, Proposal, ProposeItem, draw_uniforms, validate_items
+from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_uniforms,
+                                      validate_items)
 from dspark_core.drafters.config import ARCH_EAGLE3, DrafterConfig
 from dspark_core.drafters.dspark import _check_support_size
 from dspark_core.drafters.kv_cache import KVCache, pad_caches
@@ -82,7 +83,7 @@ class ChainDraft:
     support_probs: torch.Tensor | None = None
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(LocalStates, nn.Module):
     kind = "eagle3"
 
     def __init__(self, config: DrafterConfig, support_size: int = DEFAULT_SUPPORT_SIZE, name: str | None = None):

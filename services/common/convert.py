@@ -1,21 +1,31 @@
 """Proto <-> domain conversions shared by the servicers and the remote clients.
 
-Sampling parameters, context features ([n, L*H] in dspark_core, [n, L, H] on the wire), draft blocks
-(packed SparseDistribution rows <-> [n, k] support tensors) and finish reasons. Every malformed value
-raises dspark_core.errors.InvalidArgument naming the proto field. Knows nothing about servers or Redis.
+The one place protos and dspark_core types meet, one function per direction: sampling parameters,
+context features ([n, L*H] in dspark_core, [n, L, H] on the wire), draft supports (SparseDistribution
+rows <-> [n, k] support tensors), draft blocks (VerifyItem <-> DraftBlock), proposals (proto Proposal <->
+drafter Proposal), ProposeItem, Prefill / Verify results -> StepResult (and back), GetInfo -> TargetInfo,
+drafter kinds and finish reasons. Every malformed value raises dspark_core.errors.InvalidArgument naming
+the proto field. Knows nothing about servers or Redis.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from dspark_core.drafters.base import Proposal, ProposeItem
 from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import SamplingParams
 from dspark_core.verification import DraftBlock
+from dspark_core.verifier import PrefillItem, StepResult, VerifyItem
 from dspark_protos.dspark.v1 import types_pb2
 from dspark_protos.tensors import tensor_from_proto, tensor_to_proto
 
 DEFAULT_MAX_NEW_TOKENS = 128
+
+DRAFTER_KINDS = {"dspark": types_pb2.DRAFTER_KIND_DSPARK, "dflash": types_pb2.DRAFTER_KIND_DFLASH,
+                 "eagle3": types_pb2.DRAFTER_KIND_EAGLE3}
 
 FINISH_REASONS = {
     "stop": types_pb2.FINISH_REASON_STOP,
@@ -82,39 +92,160 @@ def features_from_proto(msg: types_pb2.ContextFeatures, field: str, num_layers: 
     return t.reshape(t.shape[0], -1)
 
 
-def block_to_proto(block: DraftBlock, item) -> None:
-    """DraftBlock -> VerifyItem.draft_token_ids / draft_supports."""
-    item.draft_token_ids.extend(block.tokens)
-    if block.support_ids is None:
-        return
-    for ids, probs in zip(block.support_ids.tolist(), block.support_probs.tolist()):
-        d = item.draft_supports.add()
+def supports_to_proto(support_ids: torch.Tensor, support_probs: torch.Tensor, out) -> None:
+    """[n, k] support ids / probs -> n SparseDistribution rows appended to `out` (a repeated field)."""
+    for ids, probs in zip(support_ids.tolist(), support_probs.float().tolist()):
+        d = out.add()
         d.token_ids.extend(ids)
         d.probs.extend(probs)
 
 
+def supports_from_proto(supports, num_tokens: int, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseDistribution rows (one per draft token) -> [n, k] ids / probs; ragged rows are padded with
+    zero-probability copies of their first id."""
+    if len(supports) != num_tokens:
+        raise InvalidArgument(f"{field}.draft_supports", f"{len(supports)} supports",
+                              f"must hold one support per draft token ({num_tokens})")
+    k = max(len(s.token_ids) for s in supports)
+    ids = torch.zeros((num_tokens, k), dtype=torch.long)
+    probs = torch.zeros((num_tokens, k), dtype=torch.float32)
+    for i, s in enumerate(supports):
+        if len(s.token_ids) != len(s.probs) or not s.token_ids:
+            raise InvalidArgument(f"{field}.draft_supports[{i}]", f"{len(s.token_ids)} ids, {len(s.probs)} probs",
+                                  "must hold as many probs as token_ids, at least one")
+        ids[i, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
+        ids[i, len(s.token_ids):] = s.token_ids[0]
+        probs[i, : len(s.probs)] = torch.tensor(list(s.probs))
+    return ids, probs
+
+
+def block_to_proto(block: DraftBlock, item) -> None:
+    """DraftBlock -> VerifyItem.draft_token_ids / draft_supports."""
+    item.draft_token_ids.extend(block.tokens)
+    if block.support_ids is not None:
+        supports_to_proto(block.support_ids, block.support_probs, item.draft_supports)
+
+
 def block_from_proto(item, field: str) -> DraftBlock:
-    """VerifyItem drafts -> DraftBlock; ragged supports are padded with zero-probability entries."""
+    """VerifyItem drafts -> DraftBlock (supports validated, see supports_from_proto)."""
     tokens = tuple(item.draft_token_ids)
-    supports = list(item.draft_supports)
-    try:
-        if not supports:
-            return DraftBlock(tokens=tokens)
-        if len(supports) != len(tokens):
-            raise InvalidArgument(f"{field}.draft_supports", f"{len(supports)} supports",
-                                  f"must hold one support per draft token ({len(tokens)})")
-        k = max(len(s.token_ids) for s in supports)
-        ids = torch.zeros((len(tokens), k), dtype=torch.long)
-        probs = torch.zeros((len(tokens), k), dtype=torch.float32)
-        for i, s in enumerate(supports):
-            if len(s.token_ids) != len(s.probs) or not s.token_ids:
-                raise InvalidArgument(f"{field}.draft_supports[{i}]", f"{len(s.token_ids)} ids, {len(s.probs)} probs",
-                                      "must hold as many probs as token_ids, at least one")
-            ids[i, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
-            ids[i, len(s.token_ids):] = s.token_ids[0]
-            probs[i, : len(s.probs)] = torch.tensor(list(s.probs))
-        return DraftBlock(tokens=tokens, support_ids=ids, support_probs=probs)
-    except InvalidArgument as exc:
-        if exc.field.startswith(field):
-            raise
-        raise InvalidArgument(f"{field}.{exc.field}", exc.value, exc.requirement) from None
+    if not item.draft_supports:
+        return DraftBlock(tokens=tokens)
+    ids, probs = supports_from_proto(item.draft_supports, len(tokens), field)
+    return DraftBlock(tokens=tokens, support_ids=ids, support_probs=probs)
+
+
+def verify_item_to_proto(item: VerifyItem, out: types_pb2.VerifyItem) -> None:
+    """The engine's VerifyItem -> proto VerifyItem (the verifier holds the request's sampling state)."""
+    out.request_id, out.anchor_token_id, out.anchor_position = item.request_id, item.anchor, item.anchor_pos
+    block_to_proto(item.draft, out)
+
+
+def verify_item_from_proto(msg: types_pb2.VerifyItem, field: str) -> VerifyItem:
+    if not msg.request_id:
+        raise InvalidArgument(f"{field}.request_id", msg.request_id, "must not be empty")
+    return VerifyItem(msg.request_id, int(msg.anchor_token_id), int(msg.anchor_position), block_from_proto(msg, field))
+
+
+def prefill_item_to_proto(item: PrefillItem) -> types_pb2.PrefillRequest:
+    msg = types_pb2.PrefillRequest(request_id=item.request_id, prompt_token_ids=list(item.prompt_ids))
+    params_to_proto(item.params, msg.sampling)
+    return msg
+
+
+def prefill_item_from_proto(msg: types_pb2.PrefillRequest, extra_stop_ids=()) -> PrefillItem:
+    """PrefillRequest -> PrefillItem; `extra_stop_ids` (the target's EOS ids) join the request's stop ids."""
+    if not msg.request_id:
+        raise InvalidArgument("request_id", msg.request_id, "must not be empty")
+    return PrefillItem(msg.request_id, tuple(msg.prompt_token_ids), params_from_proto(msg.sampling, extra_stop_ids))
+
+
+def proposal_to_proto(prop: Proposal, max_tokens: int, out: types_pb2.Proposal) -> None:
+    """A drafter's Proposal, cut to its first `max_tokens` drafts -> proto Proposal's drafts, supports and
+    confidences (without a confidence head: each draft token's own draft probability)."""
+    n = min(len(prop.tokens), max_tokens)
+    out.draft_token_ids.extend(int(t) for t in prop.tokens[:n])
+    draft_probs = [1.0] * n
+    if prop.support_ids is not None:
+        supports_to_proto(prop.support_ids[:n], prop.support_probs[:n], out.draft_supports)
+        for r, d in enumerate(out.draft_supports):
+            draft_probs[r] = sum(q for t, q in zip(d.token_ids, d.probs) if t == prop.tokens[r])
+    out.confidences.extend(prop.confidences[:n].tolist() if prop.confidences is not None else draft_probs)
+
+
+def proposal_from_proto(p: types_pb2.Proposal, field: str = "proposal") -> Proposal:
+    """proto Proposal (status OK) -> a drafter Proposal, as the engine receives it from a local drafter."""
+    n = len(p.draft_token_ids)
+    ids = probs = None
+    if p.draft_supports and n > 0:
+        ids, probs = supports_from_proto(p.draft_supports, n, field)
+    conf = torch.tensor(list(p.confidences), dtype=torch.float32) if len(p.confidences) == n else None
+    return Proposal(tokens=list(p.draft_token_ids), support_ids=ids, support_probs=probs, confidences=conf)
+
+
+def kind_to_proto(kind: str) -> int:
+    """A drafter's kind ("dspark", "dflash", "eagle3") -> DrafterKind (UNSPECIFIED for any other)."""
+    return DRAFTER_KINDS.get(kind, types_pb2.DRAFTER_KIND_UNSPECIFIED)
+
+
+def kind_from_proto(kind: int) -> str:
+    return next((name for name, value in DRAFTER_KINDS.items() if value == kind), "unknown")
+
+
+@dataclass
+class TargetInfo:
+    """The engine's target seam (tap_layer_ids, max_context, vocab_size), from a verifier's GetInfo."""
+
+    name: str
+    vocab_size: int
+    max_context: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+    tap_layer_ids: tuple[int, ...]
+    sps_points: list
+    tokenizer: object = None
+
+
+def target_info_from_proto(info: types_pb2.VerifierServiceGetInfoResponse) -> TargetInfo:
+    return TargetInfo(info.model_name, info.vocab_size, info.max_context_length, info.hidden_size,
+                      tuple(info.eos_token_ids), tuple(info.tap_layer_ids),
+                      [(p.num_tokens, p.steps_per_second) for p in info.sps_table.points])
+
+
+def verify_result_to_proto(res: StepResult, num_layers: int, out: types_pb2.VerifyResult) -> None:
+    """A Verifier's StepResult -> an OK VerifyResult (committed tokens, stop, the committed features)."""
+    out.status = types_pb2.ITEM_STATUS_OK
+    out.num_accepted = res.num_accepted
+    out.committed_token_ids.extend(res.tokens)
+    out.stopped = res.stopped
+    if res.stopped:
+        out.finish_reason = types_pb2.FINISH_REASON_STOP
+    features_to_proto(res.features, res.features_start, num_layers, out.context_features)
+
+
+def prefill_result_from_proto(resp: types_pb2.PrefillResponse, item: PrefillItem) -> StepResult:
+    """A PrefillResponse for `item` -> the StepResult a local Verifier's prefill would have returned."""
+    return StepResult(item.request_id, [resp.anchor_token_id], 0, resp.stopped,
+                      features_from_proto(resp.context_features, "context_features"), 0, list(item.prompt_ids))
+
+
+def verify_result_from_proto(r: types_pb2.VerifyResult, item: VerifyItem) -> StepResult:
+    """An OK VerifyResult for `item` -> the StepResult a local Verifier would have returned."""
+    a = r.num_accepted
+    return StepResult(item.request_id, list(r.committed_token_ids), a, r.stopped,
+                      features_from_proto(r.context_features, "context_features"), item.anchor_pos,
+                      [item.anchor, *item.draft.tokens[:a]])
+
+
+def propose_item_to_proto(request_id: str, it: ProposeItem, features: torch.Tensor, start: int, tokens,
+                          num_layers: int, seed: int | None) -> types_pb2.ProposeItem:
+    """One request's drafting input -> ProposeItem; `features` / `start` / `tokens` are the context to
+    send (the new positions, or all of them on a resend). Tokens go along when there is one per row."""
+    msg = types_pb2.ProposeItem(request_id=request_id, anchor_token_id=int(it.anchor),
+                                anchor_position=int(it.anchor_pos), temperature=float(it.temperature))
+    features_to_proto(features, start, num_layers, msg.context_features)
+    if len(tokens) == features.shape[0]:  # the tokens at the feature rows (EAGLE-3 conditions on them)
+        msg.context_token_ids.extend(int(t) for t in tokens)
+    if seed is not None:
+        msg.seed = seed
+    return msg

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_core.errors import InvalidArgument
+from dspark_core.stack import MATMUL_DTYPES, load_drafter_runtime
 from dspark_protos.dspark.v1 import drafter_service_pb2, drafter_service_pb2_grpc
 
 from ..common.app import PodLifecycle, advertise_address
@@ -43,18 +44,8 @@ class DrafterAppConfig:
             raise InvalidArgument("drafter_path", self.drafter_path, "must name a drafter checkpoint directory")
         if self.max_active < 1:
             raise InvalidArgument("max_active", self.max_active, "must be >= 1")
-        from dspark_core.drafters.checkpoint import MATMUL_DTYPES
-
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise InvalidArgument("matmul_dtype", self.matmul_dtype, f"must be one of {', '.join(MATMUL_DTYPES)}")
-
-
-def load_drafter_for_serving(path: str, device: str, dtype: str, matmul_dtype: str = "auto"):
-    from dspark_core.drafters import load_drafter
-    from dspark_core.target import resolve_device, resolve_dtype
-
-    dev = resolve_device(device)
-    return load_drafter(path, device=dev, dtype=resolve_dtype(dtype, dev), matmul_dtype=matmul_dtype)
 
 
 class DrafterApp(PodLifecycle):
@@ -66,8 +57,8 @@ class DrafterApp(PodLifecycle):
     def _load(self):
         from dspark_core.drafters.base import ProposeItem
 
-        d = load_drafter_for_serving(self.config.drafter_path, self.config.device, self.config.dtype,
-                                     self.config.matmul_dtype)
+        d = load_drafter_runtime(self.config.drafter_path, self.config.device, self.config.dtype,
+                                 self.config.matmul_dtype)
         st = d.new_state()  # warm-up: one real proposal on zero features
         feats = torch.zeros((2, d.config.feature_size), dtype=next(d.parameters()).dtype,
                             device=next(d.parameters()).device)

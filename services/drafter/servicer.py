@@ -19,18 +19,16 @@ import torch
 
 from dspark_core.drafters.base import ProposeItem
 from dspark_core.errors import InvalidArgument
-from dspark_core.sampling import make_generator
+from dspark_core.sampling import derive_seed, make_generator
 from dspark_protos.dspark.v1 import drafter_service_pb2_grpc, types_pb2
 
 from ..common import metrics
 from ..common.batcher import Coalescer
-from ..common.convert import features_from_proto
+from ..common.convert import features_from_proto, kind_to_proto, proposal_to_proto
 from ..common.errors import Unavailable
 from ..common.heartbeat import Ewma
 
 _S = "drafter"
-_KINDS = {"dspark": types_pb2.DRAFTER_KIND_DSPARK, "dflash": types_pb2.DRAFTER_KIND_DFLASH,
-          "eagle3": types_pb2.DRAFTER_KIND_EAGLE3}
 
 
 @dataclass
@@ -53,10 +51,6 @@ class _Job:
     max_draft_tokens: int
     tokens: list[int] | None = None  # context_token_ids, one per feature row (None: not sent)
     error: tuple[int, str, int] | None = None  # (status, message, context_length)
-
-
-def _seed_for(seed: int, position: int) -> int:
-    return (seed * 1_000_003 + position * 7919 + 17) % (2**63)
 
 
 class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
@@ -130,7 +124,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
             seen.add(j.request_id)
             feats = j.features if j.features is not None else torch.zeros(
                 (0, self.feature_size), dtype=self.param_dtype, device=self.param_device)
-            gen = make_generator(_seed_for(j.seed, j.anchor_pos)) if (j.temperature > 0 and j.seed is not None) else None
+            gen = make_generator(derive_seed(j.seed, j.anchor_pos)) if (j.temperature > 0 and j.seed is not None) else None
             items.append(ProposeItem(state=ctx.state, new_features=feats, new_positions_start=j.start,
                                      new_tokens=j.tokens if j.tokens is not None else self._new_tokens(ctx, j.start, rows),
                                      anchor=j.anchor,
@@ -169,7 +163,6 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         if not request.items:
             raise InvalidArgument("items", [], "must hold at least one ProposeItem")
         jobs = []
-        max_k = self.drafter.support_size
         for i, it in enumerate(request.items):
             f = f"items[{i}]"
             job = _Job(i, it.request_id, None, int(it.context_features.start_position), int(it.anchor_token_id),
@@ -180,8 +173,6 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                     raise InvalidArgument(f"{f}.request_id", it.request_id, "must not be empty")
                 if not (it.temperature >= 0):
                     raise InvalidArgument(f"{f}.temperature", it.temperature, "must be >= 0")
-                if it.support_size > max_k:
-                    raise InvalidArgument(f"{f}.support_size", it.support_size, f"must be in [0, {max_k}]")
                 if it.max_draft_tokens > self.drafter.block_size:
                     raise InvalidArgument(f"{f}.max_draft_tokens", it.max_draft_tokens,
                                           f"must be in [0, {self.drafter.block_size}]")
@@ -211,20 +202,9 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 continue
             prop, dt = o
             stats = dt
-            n = min(len(prop.tokens), j.max_draft_tokens)
             p.status = types_pb2.ITEM_STATUS_OK
             p.context_length = j.anchor_pos
-            p.draft_token_ids.extend(int(t) for t in prop.tokens[:n])
-            draft_probs = [1.0] * n
-            if prop.support_ids is not None:
-                ids, probs = prop.support_ids[:n].tolist(), prop.support_probs[:n].float().tolist()
-                for r, (ri, rp) in enumerate(zip(ids, probs)):
-                    d = p.draft_supports.add()
-                    d.token_ids.extend(ri)
-                    d.probs.extend(rp)
-                    draft_probs[r] = sum(q for t, q in zip(ri, rp) if t == prop.tokens[r])
-            conf = prop.confidences[:n].tolist() if prop.confidences is not None else draft_probs
-            p.confidences.extend(conf)
+            proposal_to_proto(prop, j.max_draft_tokens, p)
         if stats is not None:
             resp.stats.CopyFrom(types_pb2.StepStats(num_requests=len(jobs), num_tokens=len(jobs) * self.drafter.block_size,
                                                     forward_seconds=stats, queue_seconds=queued))
@@ -248,8 +228,8 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         if d.kind == "dspark" and cfg.markov_rank > 0:
             head = types_pb2.SEQUENTIAL_HEAD_RNN if cfg.markov_head_type == "rnn" else types_pb2.SEQUENTIAL_HEAD_MARKOV
         return types_pb2.DrafterServiceGetInfoResponse(
-            drafter_id=self.drafter_id, drafter_name=d.name, kind=_KINDS.get(d.kind, 0), sequential_head=head,
-            has_confidence_head=bool(cfg.enable_confidence_head), block_size=d.block_size + 1,
-            max_draft_tokens=d.block_size, max_support_size=d.support_size,
+            drafter_id=self.drafter_id, drafter_name=d.name, kind=kind_to_proto(d.kind), sequential_head=head,
+            has_confidence_head=bool(cfg.enable_confidence_head), block_size=d.block_size,
+            max_support_size=d.support_size,
             target_model_name=str(cfg.extra.get("target_model_name_or_path", "") or ""),
             target_layer_ids=[int(x) for x in d.target_layer_ids], target_hidden_size=self.hidden)

@@ -50,20 +50,21 @@ class ClusterBudgets:
 
 
 class BudgetedPolicy:
-    """Wraps the engine's async policy: requests on a verifier with a cluster budget get top-K of it."""
+    """Wraps the async policy (an engine policy, see dspark_core.scheduling): requests on a verifier with a
+    cluster budget get top-K of it. `verifier_of(request_id)` names a request's verifier (None: none yet)."""
 
-    def __init__(self, inner, engine, verifier_of, budgets: ClusterBudgets):
-        self.inner, self.engine, self.verifier_of, self.budgets = inner, engine, verifier_of, budgets
+    def __init__(self, inner, verifier_of, budgets: ClusterBudgets):
+        self.inner, self.verifier_of, self.budgets = inner, verifier_of, budgets
         self.applied = 0  # rounds in which a cluster budget decided some lengths
 
-    def __call__(self, confs):
-        lengths = list(self.inner(confs))  # keeps the inner policy's own lag state current
+    def __call__(self, confs, sps, request_ids):
+        lengths = list(self.inner(confs, sps, request_ids))  # keeps the inner policy's own lag state current
         shares = dict(self.budgets.shares)
         if not shares:
             return lengths
         groups: dict[str, list[int]] = {}
-        for i, req in enumerate(self.engine.active[: len(confs)]):
-            vid = self.verifier_of(req.request_id)
+        for i, rid in enumerate(request_ids):
+            vid = self.verifier_of(rid)
             if vid in shares:
                 groups.setdefault(vid, []).append(i)
         if groups:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from dspark_core.errors import DSparkError, InvalidArgument, NotFound, ResourceExhausted
 from dspark_core.sampling import SamplingParams
+from dspark_core.verifier import validate_prompt_ids
 
 from ..common import metrics
 from ..common.errors import Unavailable
@@ -94,12 +95,7 @@ def _prompt_ids(body: dict, f: Frontend, chat: bool) -> list[int]:
         else:
             raise InvalidArgument("prompt", p if not isinstance(p, str) else p[:40],
                                   "must be a non-empty string or a list of token ids (one prompt)")
-    bad = [t for t in ids if not 0 <= t < f.card.vocab_size]
-    if bad:
-        raise InvalidArgument("prompt", bad[:5], f"must be token ids in [0, {f.card.vocab_size})")
-    if not ids or len(ids) >= f.card.max_context:
-        raise InvalidArgument("prompt", f"{len(ids)} tokens",
-                              f"must be non-empty and shorter than the context window ({f.card.max_context})")
+    validate_prompt_ids(ids, f.card.vocab_size, f.card.max_context, "prompt")
     return ids
 
 

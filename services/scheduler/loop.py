@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dspark_core.engine import Engine
+from dspark_core.engine import Engine, StepRecord
 from dspark_core.errors import DSparkError
 from dspark_core.sampling import SamplingParams
 
@@ -43,32 +43,6 @@ class Update:
     finish_reason: str | None = None
     summary: dict | None = None
     error: BaseException | None = None
-
-
-class _Timed:
-    """Pass-through proxy of the engine's verifier / drafter that times (and traces) each stage call."""
-
-    def __init__(self, inner, times: dict, stages: dict[str, str], on_result=None):
-        self._inner, self._times, self._stages, self._on_result = inner, times, stages, on_result
-
-    def __getattr__(self, name):
-        attr = getattr(self._inner, name)
-        stage = self._stages.get(name)
-        if stage is None or not callable(attr):
-            return attr
-
-        def timed(*args, **kwargs):
-            t0 = time.time_ns()
-            with tracer.start_as_current_span(stage):
-                try:
-                    out = attr(*args, **kwargs)
-                finally:
-                    self._times[stage] = (t0, time.time_ns())
-                if self._on_result is not None:
-                    self._on_result(out)
-                return out
-
-        return timed
 
 
 @dataclass
@@ -120,10 +94,11 @@ class CheckpointWriter:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, registry: Registry | None = None, scheduler_id: str = "scheduler",
-                 checkpoint: Callable[[str], dict | None] | None = None, pods_capacity: Callable[[], dict] | None = None,
-                 autoscaler=None):
-        self.engine, self.registry, self.scheduler_id = engine, registry, scheduler_id
+    def __init__(self, make_engine: Callable[[Callable[[StepRecord], None]], Engine], registry: Registry | None = None,
+                 scheduler_id: str = "scheduler", checkpoint: Callable[[str], dict | None] | None = None,
+                 pods_capacity: Callable[[], dict] | None = None, autoscaler=None):
+        """`make_engine(observer)` builds the engine this loop drives, with `observer` as its step observer."""
+        self.registry, self.scheduler_id = registry, scheduler_id
         self._checkpoint = checkpoint
         self._pods_capacity = pods_capacity
         self.autoscaler = autoscaler  # optional: services.scheduler.autoscaler.Autoscaler
@@ -137,15 +112,13 @@ class EngineLoop:
         self._last_summary = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
-        self._times: dict[str, tuple[int, int]] = {}
-        engine.verifier = _Timed(engine.verifier, self._times, {"prefill": "prefill", "verify": "verify"})
+        self._times: dict[str, tuple[int, int]] = {}  # stage -> (start, end) ns of the last step
         # survival-probability mass each request wants verified this round (sum over its draft positions
         # of the prefix products of confidences): the demand summary published per verifier
         self.demand_mass: dict[str, float] = {}
         self.demand_rows: dict[str, list[float]] = {}
         self.budgets = None  # optional ClusterBudgets (async policy, distributed)
-        if engine.drafter is not None:
-            engine.drafter = _Timed(engine.drafter, self._times, {"propose": "draft"}, self._record_mass)
+        self.engine = make_engine(self._observe)
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -217,7 +190,7 @@ class EngineLoop:
                 log.info("request cancelled", extra={"request_id": rid})
 
     def _step(self) -> None:
-        self._times.clear()
+        self._times = {}
         links = [trace.Link(t.span_context) for t in list(self._tracked.values())[:32]
                  if t.span_context is not None and t.span_context.is_valid]
         t_step = time.time_ns()
@@ -297,17 +270,18 @@ class EngineLoop:
                     self._writer.put(ev.request_id, ck)
             t.sink(upd)
 
-    def _record_mass(self, proposals) -> None:
-        # the engine drafts for its active requests, in order (dspark_core.engine.Engine._round)
-        for req, p in zip(self.engine.active, proposals):
+    def _observe(self, record: StepRecord) -> None:
+        """The engine's observer (engine thread): stage timings for the trace, demand from the proposals."""
+        self._times = record.timings
+        for rid, p in zip(record.request_ids, record.proposals):
             c = p.confidences
             row = [float(x) for x in (c.tolist() if c is not None else [1.0] * len(p.tokens))]
             mass, a = 0.0, 1.0
             for x in row:
                 a *= x
                 mass += a
-            self.demand_mass[req.request_id] = mass
-            self.demand_rows[req.request_id] = row
+            self.demand_mass[rid] = mass
+            self.demand_rows[rid] = row
 
     def _trace_round(self, t: _Tracked, req, t_step: int, committed: int) -> None:
         """A span per round in the request's own trace, with a child span per stage (prefill, draft, verify)."""

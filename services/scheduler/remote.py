@@ -24,12 +24,14 @@ import torch
 from dspark_core.drafters.base import Proposal
 from dspark_core.errors import InvalidArgument, NotFound, ResourceExhausted
 from dspark_core.sampling import SamplingParams
-from dspark_core.verifier import PrefillItem, StepResult, VerifyItem
+from dspark_core.verifier import PrefillItem, StepResult, VerifyItem, validate_prompt_ids
 from dspark_protos.dspark.v1 import types_pb2
 
 from ..common import metrics
-from ..common.convert import (block_to_proto, features_from_proto, features_to_proto, params_to_dict,
-                              params_to_proto)
+from ..common.convert import (TargetInfo, features_from_proto, kind_from_proto, params_to_dict, params_to_proto,
+                              prefill_item_to_proto, prefill_result_from_proto, propose_item_to_proto,
+                              proposal_from_proto, target_info_from_proto, verify_item_to_proto,
+                              verify_result_from_proto)
 from ..common.errors import Unavailable
 from ..common.registry import Registry
 from ..common.tracing import outgoing_metadata, tracer
@@ -61,30 +63,6 @@ def _raise_status(exc: grpc.RpcError, where: str):
 
 
 @dataclass
-class TargetInfo:
-    """What the engine reads from its target, taken from a verifier's GetInfo."""
-
-    name: str
-    vocab_size: int
-    max_context: int
-    hidden_size: int
-    eos_token_ids: tuple[int, ...]
-    tap_layer_ids: tuple[int, ...]
-    sps_points: list
-    tokenizer: object = None
-
-    @property
-    def config(self):
-        return self
-
-    @classmethod
-    def from_proto(cls, info) -> "TargetInfo":
-        return cls(info.model_name, info.vocab_size, info.max_context_length, info.hidden_size,
-                   tuple(info.eos_token_ids), tuple(info.tap_layer_ids),
-                   [(p.num_tokens, p.steps_per_second) for p in info.sps_table.points])
-
-
-@dataclass
 class _Request:
     prompt: list[int]
     params: SamplingParams
@@ -104,7 +82,7 @@ class RemoteVerifier:
         for _ in range(MAX_ATTEMPTS):
             pod = self.pool.pick()
             try:
-                info = TargetInfo.from_proto(pod.stub.GetInfo(types_pb2.VerifierServiceGetInfoRequest(),
+                info = target_info_from_proto(pod.stub.GetInfo(types_pb2.VerifierServiceGetInfoRequest(),
                                                               timeout=self.timeout_s))
                 self.num_layers = len(info.tap_layer_ids)
                 self.target = info
@@ -120,16 +98,7 @@ class RemoteVerifier:
     def validate_prompt(self, ids) -> None:
         """Verifier.validate_prompt against the verifiers' published model (no round trip)."""
         t = self.target
-        if not ids:
-            raise InvalidArgument("prompt_ids", list(ids), "must not be empty")
-        if t is None:
-            return
-        if len(ids) >= t.max_context:
-            raise InvalidArgument("prompt_ids", f"{len(ids)} tokens",
-                                  f"must be shorter than the context window ({t.max_context} tokens)")
-        bad = [x for x in ids if not 0 <= x < t.vocab_size]
-        if bad:
-            raise InvalidArgument("prompt_ids", bad[:5], f"must be token ids in [0, {t.vocab_size})")
+        validate_prompt_ids(ids, t and t.vocab_size, t and t.max_context)
 
     @property
     def num_active(self) -> int:
@@ -178,16 +147,13 @@ class RemoteVerifier:
                         self.release(it.request_id)
                         _raise_status(exc, "prefill")
                 req.generated = [resp.anchor_token_id]
-                feats = features_from_proto(resp.context_features, "context_features")
-                out.append(StepResult(it.request_id, [resp.anchor_token_id], 0, resp.stopped, feats, 0,
-                                      list(it.prompt_ids)))
+                out.append(prefill_result_from_proto(resp, it))
             return out
 
     def _start_prefill(self, it: PrefillItem, req: _Request, md, tried: set):
         pod = self.pool.pick(exclude=tried)
         self._assign(req, pod)
-        msg = types_pb2.PrefillRequest(request_id=it.request_id, prompt_token_ids=list(it.prompt_ids))
-        params_to_proto(it.params, msg.sampling)
+        msg = prefill_item_to_proto(it)
         return pod, pod.stub.Prefill.future(msg, timeout=self.timeout_s, metadata=md), tried
 
     # -- resume (failover)
@@ -268,11 +234,7 @@ class RemoteVerifier:
             pod = self.pool.get(addr) or self.requests[items[idx[0]].request_id].pod
             msg = types_pb2.VerifyRequest()
             for i in idx:
-                it, req = items[i], self.requests[items[i].request_id]
-                pi = msg.items.add(request_id=it.request_id, anchor_token_id=it.anchor, anchor_position=it.anchor_pos)
-                block_to_proto(it.draft, pi)
-                params_to_proto(req.params, pi.sampling.params)
-                pi.sampling.num_generated = len(req.generated)
+                verify_item_to_proto(items[i], msg.items.add())
             futures.append((pod, idx, pod.stub.Verify.future(msg, timeout=self.timeout_s, metadata=md)))
         for pod, idx, fut in futures:
             try:
@@ -291,11 +253,8 @@ class RemoteVerifier:
                 it = items[i]
                 req = self.requests[it.request_id]
                 if r.status == types_pb2.ITEM_STATUS_OK:
-                    feats = features_from_proto(r.context_features, "context_features")
-                    a = r.num_accepted
                     req.generated.extend(r.committed_token_ids)
-                    results[i] = StepResult(it.request_id, list(r.committed_token_ids), a, r.stopped, feats,
-                                            it.anchor_pos, [it.anchor, *it.draft.tokens[:a]])
+                    results[i] = verify_result_from_proto(r, it)
                 elif r.status in (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST, types_pb2.ITEM_STATUS_POSITION_MISMATCH):
                     if last:
                         raise Unavailable(f"verify {it.request_id}: {r.error_message}")
@@ -341,9 +300,8 @@ class RemoteDrafter:
                  timeout_s: float = 60.0):
         self.pool, self.verifier, self.timeout_s = pool, verifier, timeout_s
         self.name = info.drafter_name
-        self.kind = {types_pb2.DRAFTER_KIND_DSPARK: "dspark", types_pb2.DRAFTER_KIND_DFLASH: "dflash",
-                     types_pb2.DRAFTER_KIND_EAGLE3: "eagle3"}.get(info.kind, "unknown")
-        self.block_size = int(info.max_draft_tokens)
+        self.kind = kind_from_proto(info.kind)
+        self.block_size = int(info.block_size)
         self.target_layer_ids = tuple(info.target_layer_ids)
         self.support_size = int(info.max_support_size)
         self.has_confidence = bool(info.has_confidence_head)
@@ -388,18 +346,11 @@ class RemoteDrafter:
 
     def _item(self, it, seed: int | None) -> types_pb2.ProposeItem:
         h: DraftHandle = it.state
-        msg = types_pb2.ProposeItem(request_id=h.request_id, anchor_token_id=int(it.anchor),
-                                    anchor_position=int(it.anchor_pos), temperature=float(it.temperature))
         if h.resend:  # the whole context, from the verifier
             (feats, tokens), start = self.verifier.context_features(h.request_id, it.anchor_pos), 0
         else:
             feats, tokens, start = it.new_features, it.new_tokens, it.new_positions_start
-        features_to_proto(feats, start, len(self.target_layer_ids), msg.context_features)
-        if len(tokens) == feats.shape[0]:  # the tokens at the feature rows (EAGLE-3 conditions on them)
-            msg.context_token_ids.extend(int(t) for t in tokens)
-        if seed is not None:
-            msg.seed = seed
-        return msg
+        return propose_item_to_proto(h.request_id, it, feats, start, tokens, len(self.target_layer_ids), seed)
 
     def propose(self, items) -> list[Proposal]:
         with tracer.start_as_current_span("drafter.propose") as span:
@@ -452,7 +403,7 @@ class RemoteDrafter:
                 h: DraftHandle = items[i].state
                 if p.status == types_pb2.ITEM_STATUS_OK:
                     h.length, h.resend = int(p.context_length), False
-                    out[i] = _proposal(p)
+                    out[i] = proposal_from_proto(p, f"proposals[{i}]")
                 elif p.status in (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST, types_pb2.ITEM_STATUS_POSITION_MISMATCH):
                     if last:
                         raise Unavailable(f"propose {h.request_id}: {p.error_message}")
@@ -468,17 +419,3 @@ class RemoteDrafter:
                     raise InvalidArgument(f"propose item {h.request_id}", p.error_message, "was refused by the drafter")
         return retry
 
-
-def _proposal(p) -> Proposal:
-    n = len(p.draft_token_ids)
-    ids = probs = None
-    if len(p.draft_supports) == n and n > 0:
-        k = max(len(s.token_ids) for s in p.draft_supports)
-        ids = torch.zeros((n, k), dtype=torch.long)
-        probs = torch.zeros((n, k), dtype=torch.float32)
-        for r, s in enumerate(p.draft_supports):
-            ids[r, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
-            ids[r, len(s.token_ids):] = s.token_ids[0]
-            probs[r, : len(s.probs)] = torch.tensor(list(s.probs))
-    conf = torch.tensor(list(p.confidences), dtype=torch.float32) if len(p.confidences) == n else None
-    return Proposal(tokens=list(p.draft_token_ids), support_ids=ids, support_probs=probs, confidences=conf)

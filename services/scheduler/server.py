@@ -24,7 +24,7 @@ from ..common.server import GrpcService, ServerConfig
 from .loop import EngineLoop
 from .pods import PodPool
 from .remote import RemoteDrafter, RemoteVerifier
-from .servicer import POLICY_ALIASES, Frontend, ModelCard, SchedulerServicer
+from .servicer import Frontend, ModelCard, SchedulerServicer
 
 log = logging.getLogger("dspark.scheduler")
 SERVICE_NAME = scheduler_service_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
@@ -66,8 +66,8 @@ class SchedulerConfig:
         if self.embedded_target is None and not self.verifier_addresses and not self.redis_url:
             raise InvalidArgument("verifier_addresses", self.verifier_addresses,
                                   "must be given (or a redis url to discover verifiers, or an embedded target)")
-        EngineConfig(policy=POLICY_ALIASES.get(self.policy, self.policy), block_size=self.block_size,
-                     max_active=self.max_active, max_waiting=self.max_waiting)  # validates
+        EngineConfig(policy=self.policy, block_size=self.block_size, max_active=self.max_active,
+                     max_waiting=self.max_waiting)  # validates
         if self.default_max_new_tokens < 1:
             raise InvalidArgument("default_max_new_tokens", self.default_max_new_tokens, "must be >= 1")
 
@@ -78,6 +78,19 @@ def _sps_from_points(points):
     from dspark_core.cost_model import SpsTable
 
     return SpsTable(tuple(int(b) for b, _ in points), tuple(float(s) for _, s in points))
+
+
+@dataclass
+class _Stack:
+    """What the engine is built from (the engine itself is built by the EngineLoop, with its observer)."""
+
+    target: object  # a TargetRuntime, or the verifiers' TargetInfo
+    drafter: object
+    config: EngineConfig
+    sps: object
+    verifier: RemoteVerifier | None  # None: a local Verifier over `target`
+    card: ModelCard
+    tokenizer: object
 
 
 class SchedulerApp(ServingApp):
@@ -101,30 +114,24 @@ class SchedulerApp(ServingApp):
     # -- engine construction (blocking; runs in a worker thread)
     def _engine_config(self, has_drafter: bool) -> EngineConfig:
         c = self.config
-        policy = POLICY_ALIASES.get(c.policy, c.policy) if has_drafter else "ar"
-        return EngineConfig(policy=policy, block_size=c.block_size, max_active=c.max_active, max_waiting=c.max_waiting)
+        return EngineConfig(policy=c.policy if has_drafter else "ar", block_size=c.block_size,
+                            max_active=c.max_active, max_waiting=c.max_waiting)
 
-    def _build_embedded(self):
-        from dspark_core.target import TargetConfig, TargetRuntime
-
-        from ..drafter.server import load_drafter_for_serving
-        from ..verifier.server import load_sps_points
+    def _build_embedded(self) -> _Stack:
+        from dspark_core.sampling import SamplingParams
+        from dspark_core.stack import load_sps, load_stack
 
         c = self.config
-        drafter = load_drafter_for_serving(c.embedded_drafter, c.device, c.dtype) if c.embedded_drafter else None
-        taps = tuple(drafter.target_layer_ids) if drafter is not None else ()
-        target = TargetRuntime(TargetConfig(model_dir=c.embedded_target, device=c.device, dtype=c.dtype,
-                                            tap_layer_ids=taps))
+        target, drafter = load_stack(c.embedded_target, c.embedded_drafter, c.device, c.dtype)
         ecfg = self._engine_config(drafter is not None)
-        engine = Engine(target, drafter, ecfg, sps=_sps_from_points(load_sps_points(c.embedded_target)))
-        from dspark_core.sampling import SamplingParams
-
-        engine.generate([0, 1, 2], SamplingParams(temperature=0, max_new_tokens=2))  # warm-up
+        sps = load_sps(c.embedded_target)
+        # warm-up on an engine of its own, so that the served one starts with no history
+        Engine(target, drafter, ecfg, sps=sps).generate([0, 1, 2], SamplingParams(temperature=0, max_new_tokens=2))
         card = ModelCard(target.name, target.vocab_size, target.max_context, getattr(drafter, "name", None),
                          ecfg.policy, target.eos_token_ids, c.default_max_new_tokens)
-        return engine, card, target.tokenizer, None
+        return _Stack(target, drafter, ecfg, sps, None, card, target.tokenizer)
 
-    def _build_distributed(self):
+    def _build_distributed(self) -> _Stack:
         from dspark_core.target import load_tokenizer
 
         c = self.config
@@ -159,12 +166,11 @@ class SchedulerApp(ServingApp):
             raise InvalidArgument("tap_layer_ids", info.tap_layer_ids,
                                   f"of the verifier must equal the drafter's target_layer_ids {drafter.target_layer_ids}")
         ecfg = self._engine_config(drafter is not None)
-        engine = Engine(info, drafter, ecfg, sps=_sps_from_points(info.sps_points), verifier=rv)
         tokenizer = load_tokenizer(c.tokenizer_dir) if c.tokenizer_dir else None
         card = ModelCard(info.name, info.vocab_size, info.max_context, getattr(drafter, "name", None), ecfg.policy,
                          info.eos_token_ids, c.default_max_new_tokens)
         self.remote_verifier = rv
-        return engine, card, tokenizer, rv
+        return _Stack(info, drafter, ecfg, _sps_from_points(info.sps_points), rv, card, tokenizer)
 
     def _pods_capacity(self) -> dict:
         out: dict = {}
@@ -190,22 +196,29 @@ class SchedulerApp(ServingApp):
     async def load(self) -> "SchedulerApp":
         c = self.config
         build = self._build_embedded if c.embedded_target else self._build_distributed
-        engine, card, tokenizer, rv = await asyncio.to_thread(build)
-        self.engine = engine
+        st = await asyncio.to_thread(build)
+        card, tokenizer, rv = st.card, st.tokenizer, st.verifier
         autoscaler = None
         if c.autoscale_pools:
             from .autoscaler import Autoscaler, parse_pools
 
             autoscaler = Autoscaler(parse_pools(c.autoscale_pools), c.namespace)
-        self.loop = EngineLoop(engine, self.registry, self.id,
-                               checkpoint=rv.checkpoint if rv is not None else None,
-                               pods_capacity=self._pods_capacity, autoscaler=autoscaler)
-        if rv is not None and self.registry is not None and engine.config.policy == "async":
+        policy = budgets = None
+        if rv is not None and self.registry is not None and st.config.policy == "async":
+            from dspark_core.scheduling import make_policy
+
             from .budget import BudgetedPolicy, ClusterBudgets
 
-            self.loop.budgets = ClusterBudgets(self.registry, self.id)
-            engine._policy = BudgetedPolicy(engine._policy, engine, lambda rid: (
-                rv.requests[rid].pod.id if rid in rv.requests and rv.requests[rid].pod else None), self.loop.budgets)
+            budgets = ClusterBudgets(self.registry, self.id)
+            policy = BudgetedPolicy(make_policy("async"), lambda rid: (
+                rv.requests[rid].pod.id if rid in rv.requests and rv.requests[rid].pod else None), budgets)
+        self.loop = EngineLoop(
+            lambda observer: Engine(st.target, st.drafter, st.config, sps=st.sps, verifier=rv, policy=policy,
+                                    observer=observer),
+            self.registry, self.id, checkpoint=rv.checkpoint if rv is not None else None,
+            pods_capacity=self._pods_capacity, autoscaler=autoscaler)
+        self.loop.budgets = budgets
+        self.engine = self.loop.engine
         self.loop.start()
         self.frontend = Frontend(self.loop, card, tokenizer, self.registry if rv is not None else None,
                                  c.adopt_after_s)

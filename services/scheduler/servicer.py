@@ -14,15 +14,14 @@ import uuid
 from dataclasses import dataclass
 
 from dspark_core.errors import InvalidArgument
+from dspark_core.scheduling import POLICY_ALIASES
+from dspark_core.verifier import validate_prompt_ids
 from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
 
 from ..common.convert import FINISH_REASONS, params_from_proto
 from ..common.errors import Unavailable
 from ..common.tracing import tracer
 from .loop import EngineLoop, Update
-
-POLICY_ALIASES = {"async_topk": "async"}
-
 
 @dataclass(frozen=True)
 class ModelCard:
@@ -92,14 +91,7 @@ class Frontend:
             ids = encode_text(self.tokenizer, request.prompt_text, "prompt_text")
         else:
             ids = list(request.prompt_token_ids.token_ids)
-            if not ids:
-                raise InvalidArgument("prompt_token_ids", [], "must hold at least one token id")
-            bad = [t for t in ids if not 0 <= t < self.card.vocab_size]
-            if bad:
-                raise InvalidArgument("prompt_token_ids", bad[:5], f"must be token ids in [0, {self.card.vocab_size})")
-        if len(ids) >= self.card.max_context:
-            raise InvalidArgument("prompt", f"{len(ids)} tokens",
-                                  f"must be shorter than the context window ({self.card.max_context} tokens)")
+        validate_prompt_ids(ids, self.card.vocab_size, self.card.max_context, which)
         self.check_names(request.model, request.drafter, request.policy)
         params = params_from_proto(request.sampling, self.card.eos_token_ids, self.card.default_max_new_tokens)
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"

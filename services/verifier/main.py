@@ -7,8 +7,6 @@ import sys
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from dspark_cli.models import default_target
-
     from ..common import flags
 
     flags.add_common(p, 50052)
@@ -23,10 +21,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-ttl", type=float, default=float(flags.env("IDLE_TTL", 300)),
                    help="seconds after which a request with no prefill / verify / resume is released "
                         "(its scheduler crashed); 0 = never (default 300)")
-    p.set_defaults(_default_target=default_target)
 
 
 def run(args) -> int:
+    from dspark_core.stack import default_target
+
     from ..common import flags
     from ..common.server import ServerConfig
     from .server import VerifierApp, VerifierConfig
@@ -36,7 +35,7 @@ def run(args) -> int:
     if args.tap_layer_ids:
         taps = tuple(int(x) for x in args.tap_layer_ids.split(",") if x.strip())
     cfg = VerifierConfig(
-        target=args.target or args._default_target(), server=ServerConfig(args.port, args.host, args.drain_seconds),
+        target=args.target or default_target(flags.env("MODELS_DIR")), server=ServerConfig(args.port, args.host, args.drain_seconds),
         device=args.device, dtype=args.dtype, tap_layer_ids=taps, drafter_path=args.drafter_path,
         redis_url=args.redis_url, verifier_id=args.id, advertise_host=args.advertise_host,
         advertise_address=args.advertise_address, max_active=args.max_active,

@@ -12,9 +12,9 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
+from dspark_core.stack import drafter_taps, load_sps, load_target_runtime
 from dspark_protos.dspark.v1 import verifier_service_pb2, verifier_service_pb2_grpc
 
 from ..common.app import PodLifecycle, advertise_address
@@ -60,20 +60,14 @@ def resolve_taps(cfg: VerifierConfig) -> tuple[int, ...]:
     if cfg.tap_layer_ids is not None:
         return tuple(cfg.tap_layer_ids)
     if cfg.drafter_path:
-        from dspark_core.drafters.config import load_config
-
-        return tuple(load_config(Path(cfg.drafter_path)).target_layer_ids)
+        return drafter_taps(cfg.drafter_path)
     return ()
 
 
 def load_sps_points(target_dir: str) -> list:
-    p = Path(target_dir) / "sps.json"
-    if not p.exists():
-        return []
-    from dspark_core.cost_model import SpsTable
-
-    t = SpsTable.load(p)
-    return [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
+    """The target's cost table as [[num_tokens, steps_per_second], ...] (what GetInfo publishes)."""
+    t = load_sps(target_dir)
+    return [] if t is None else [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
 
 
 class VerifierApp(PodLifecycle):
@@ -84,13 +78,11 @@ class VerifierApp(PodLifecycle):
         self._expiry: asyncio.Task | None = None
 
     def _load(self):
-        from dspark_core.target import TargetConfig, TargetRuntime
-        from dspark_core.verifier import PrefillItem, Verifier
         from dspark_core.sampling import SamplingParams
+        from dspark_core.verifier import PrefillItem, Verifier
 
         cfg = self.config
-        target = TargetRuntime(TargetConfig(model_dir=cfg.target, device=cfg.device, dtype=cfg.dtype,
-                                            tap_layer_ids=resolve_taps(cfg)))
+        target = load_target_runtime(cfg.target, cfg.device, cfg.dtype, resolve_taps(cfg))
         verifier = Verifier(target)
         # warm-up: one real prefill + release before reporting SERVING
         verifier.prefill([PrefillItem("__warmup__", (0, 1, 2), SamplingParams(temperature=0))])

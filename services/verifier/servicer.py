@@ -16,14 +16,15 @@ from concurrent.futures import Executor
 
 from dspark_core.errors import InvalidArgument, NotFound, ResourceExhausted
 from dspark_core.target import TargetRuntime
-from dspark_core.verifier import PrefillItem, StepResult, Verifier, VerifyItem
+from dspark_core.verifier import PrefillItem, StepResult, Verifier
 from dspark_protos.dspark.v1 import types_pb2, verifier_service_pb2_grpc
 from dspark_protos.tensors import TORCH_TO_DTYPE
 
 from ..common import metrics
 from ..common.batcher import Coalescer
 from ..common.errors import Unavailable
-from ..common.convert import block_from_proto, features_to_proto, params_from_proto
+from ..common.convert import (features_to_proto, params_from_proto, prefill_item_from_proto, verify_item_from_proto,
+                              verify_result_to_proto)
 from ..common.heartbeat import Ewma
 
 _S = "verifier"
@@ -177,10 +178,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
     # -- RPCs
     async def Prefill(self, request, context):
         self._ready()
-        if not request.request_id:
-            raise InvalidArgument("request_id", request.request_id, "must not be empty")
-        params = params_from_proto(request.sampling, self.target.eos_token_ids)
-        item = PrefillItem(request.request_id, tuple(request.prompt_token_ids), params)
+        item = prefill_item_from_proto(request, self.target.eos_token_ids)
         [(res, dt)], queued = await self._prefill.submit([item])
         resp = types_pb2.PrefillResponse(request_id=res.request_id, anchor_token_id=res.tokens[0],
                                          anchor_position=len(item.prompt_ids), stopped=res.stopped)
@@ -196,10 +194,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         entries = []
         for i, it in enumerate(request.items):
             try:
-                if not it.request_id:
-                    raise InvalidArgument(f"items[{i}].request_id", it.request_id, "must not be empty")
-                entries.append(VerifyItem(it.request_id, int(it.anchor_token_id), int(it.anchor_position),
-                                          block_from_proto(it, f"items[{i}]")))
+                entries.append(verify_item_from_proto(it, f"items[{i}]"))
             except InvalidArgument as exc:
                 entries.append(_ItemError(types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(exc)))
         if not entries:
@@ -217,13 +212,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
                 r.status, r.error_message = res.status, res.message
                 continue
             stats = stats or (dt, tokens, nreq)
-            r.status = types_pb2.ITEM_STATUS_OK
-            r.num_accepted = res.num_accepted
-            r.committed_token_ids.extend(res.tokens)
-            r.stopped = res.stopped
-            if res.stopped:
-                r.finish_reason = types_pb2.FINISH_REASON_STOP
-            features_to_proto(res.features, res.features_start, self.num_layers, r.context_features)
+            verify_result_to_proto(res, self.num_layers, r)
         if stats:
             resp.stats.CopyFrom(types_pb2.StepStats(num_requests=stats[2], num_tokens=stats[1],
                                                     forward_seconds=stats[0], queue_seconds=queued))

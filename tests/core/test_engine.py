@@ -156,3 +156,33 @@ def test_drafting_time_counts_as_a_fixed_cost_of_the_step(tiny_target_dir, targe
         assert out.output_ids == expected[0]
         proposed[count] = sum(out.proposed_per_round)
     assert proposed[False] == 0 < proposed[True]
+
+
+def test_observer_gets_one_record_per_step_aligned_with_the_round(tiny_target_dir, target, expected):
+    records = []
+    seen = []
+
+    def policy(confidences, sps, request_ids):
+        seen.append(list(request_ids))
+        return [min(2, len(row)) for row in confidences]  # a caller's own policy: at most two drafts
+
+    engine = Engine(target, OracleDrafter(tiny_target_dir, block_size=4, corrupt=0.3), EngineConfig(),
+                    policy=policy, observer=records.append)
+    outs = run_all(engine, SamplingParams(temperature=0, max_new_tokens=12))
+    assert [o.output_ids for o in outs] == expected  # a policy of its own changes nothing but speed
+    assert [r.step for r in records] == list(range(1, engine.num_steps + 1))
+    first = records[0]
+    assert first.admitted == (outs[0].request_id,) and set(first.timings) == {"prefill", "draft", "verify"}
+    rounds = [r for r in records if r.request_ids]
+    assert [list(r.request_ids) for r in rounds] == seen  # the policy saw the rows' requests, in order
+    for r in rounds:
+        assert len(r.proposals) == len(r.lengths) == len(r.request_ids)
+        assert all(0 <= n <= 2 and len(p.tokens) == 4 for p, n in zip(r.proposals, r.lengths))
+        for stage, (a, b) in r.timings.items():
+            assert a <= b, stage
+    by_request = {o.request_id: o for o in outs}
+    for rid, out in by_request.items():
+        lengths = [n for r in rounds for q, n in zip(r.request_ids, r.lengths) if q == rid]
+        assert lengths == out.proposed_per_round  # one entry per round the request took part in
+    events = [e.request_id for r in records for e in r.events if e.finished]
+    assert sorted(events) == sorted(by_request)

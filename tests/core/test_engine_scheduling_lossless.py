@@ -17,7 +17,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dspark_core import scheduling
-from dspark_core.drafters.base import Proposal
+from dspark_core.drafters.base import LocalStates, Proposal
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.sampling import SamplingParams
 from dspark_core.target import TargetConfig, TargetRuntime
@@ -27,7 +27,7 @@ SPS = [0.0, 1.0, 0.5, 0.45]
 DRAWS = 1500
 
 
-class SlotDependentDrafter:
+class SlotDependentDrafter(LocalStates):
     """Drafts two tokens uniformly from {0, 1}; confidence of slot 2 reveals the sampled slot-1 token."""
 
     name, kind = "appendix-a", "test"
@@ -64,10 +64,12 @@ def uniform_target(tmp_path_factory):
 
 def first_drafted_position_zero_rate(target, policy: str) -> float:
     """Fraction of requests whose second output token (the first one a draft could cover) is token 0."""
+    # test-only: the biased search is never a registered policy, only one handed to the engine
+    biased = (lambda confs, sps, request_ids: scheduling.retrospective_global_schedule(confs, SPS)
+              ) if policy == "retrospective" else None
     engine = Engine(target, SlotDependentDrafter(), EngineConfig(policy="fixed" if policy == "retrospective" else policy,
-                                                                  max_active=1, max_waiting=DRAWS), sps=SPS)
-    if policy == "retrospective":  # test-only: the biased search is never a selectable engine policy
-        engine._policy = lambda confs: scheduling.retrospective_global_schedule(confs, SPS)
+                                                                  max_active=1, max_waiting=DRAWS), sps=SPS,
+                    policy=biased)
     rids = [engine.add_request([1, 2, 3], SamplingParams(temperature=1.0, seed=i, max_new_tokens=2))
             for i in range(DRAWS)]
     engine.run()

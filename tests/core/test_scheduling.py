@@ -440,3 +440,18 @@ def test_benchmark_schedule_overhead_reports_median_seconds():
     seconds = benchmark_schedule_overhead(num_requests=64, gamma=7, repeats=50)
     print(f"\ncausal_prefix_schedule, 64 requests x gamma 7, no early stop: {seconds * 1e6:.0f} us median")
     assert seconds > 0
+
+
+def test_one_registry_serves_the_engine_the_bench_and_aliases():
+    from dspark_core import benchmark
+    from dspark_core.engine import EngineConfig
+    from dspark_core.scheduling import POLICIES, POLICY_ALIASES, policy_spec
+
+    assert set(benchmark.POLICIES) == set(POLICY_NAMES) == set(POLICIES)
+    assert set(benchmark.SPS_POLICIES) == {"causal", "async"}
+    assert set(benchmark.CONFIDENCE_POLICIES) == {"causal", "async", "threshold"}
+    for alias, name in POLICY_ALIASES.items():
+        assert EngineConfig(policy=alias).policy == name == policy_spec(alias).name
+        assert type(make_policy(alias)) is type(make_policy(name))
+    with pytest.raises(InvalidArgument, match="^policy "):
+        EngineConfig(policy="fastest")

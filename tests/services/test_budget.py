@@ -45,6 +45,6 @@ def test_async_policy_budget_is_published_and_output_stays_exact(aio, redis_serv
         for o in outs:
             assert o[:64] == greedy  # the fixture's reference covers 64 greedy tokens
         # the budget really sized verification on that verifier, in at least one scheduler
-        assert s1.engine._policy.applied + s2.engine._policy.applied > 0
+        assert s1.engine.policy.applied + s2.engine.policy.applied > 0
     finally:
         cluster.stop(aio, s1, s2, dr, v)

@@ -141,3 +141,42 @@ def test_drafter_config_checks_matmul_dtype_and_the_flag_reaches_it():
     add_args(p)
     assert p.parse_args(["--matmul-dtype", "float32"]).matmul_dtype == "float32"
     assert p.parse_args([]).matmul_dtype == "auto"
+
+
+def test_services_import_nothing_from_the_cli():
+    """The layers: services/ builds on dspark_core (models through dspark_core.stack), never on dspark_cli."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "services"
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "dspark_cli"]
+    assert offenders == []
+
+
+def test_proposal_and_block_conversions_round_trip_and_name_the_field():
+    import torch
+
+    from dspark_core.drafters.base import Proposal
+    from dspark_core.verification import DraftBlock
+    from services.common.convert import block_from_proto, block_to_proto, proposal_from_proto, proposal_to_proto
+
+    prop = Proposal(tokens=[4, 7, 9], support_ids=torch.tensor([[4, 1], [7, 2], [3, 9]]),
+                    support_probs=torch.tensor([[0.75, 0.25], [0.5, 0.5], [0.125, 0.875]]))
+    msg = types_pb2.Proposal()
+    proposal_to_proto(prop, 2, msg)  # cut to two drafts; no confidence head: each draft's own probability
+    assert list(msg.draft_token_ids) == [4, 7] and list(msg.confidences) == [0.75, 0.5]
+    back = proposal_from_proto(msg)
+    assert back.tokens == [4, 7] and torch.equal(back.support_ids, prop.support_ids[:2])
+    assert torch.equal(back.support_probs, prop.support_probs[:2])
+    item = types_pb2.VerifyItem()
+    block_to_proto(DraftBlock(tokens=(4, 7), support_ids=back.support_ids, support_probs=back.support_probs), item)
+    block = block_from_proto(item, "items[0]")
+    assert block.tokens == (4, 7) and torch.equal(block.support_ids, back.support_ids)
+    del item.draft_supports[1]
+    with pytest.raises(InvalidArgument, match=r"^items\[0\]\.draft_supports "):
+        block_from_proto(item, "items[0]")

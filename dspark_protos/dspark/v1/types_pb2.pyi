@@ -110,14 +110,6 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class SamplingState(_message.Message):
-    __slots__ = ("params", "num_generated")
-    PARAMS_FIELD_NUMBER: _ClassVar[int]
-    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
-    params: SamplingParams
-    num_generated: int
-    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
-
 class ContextFeatures(_message.Message):
     __slots__ = ("start_position", "hidden_states")
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -309,20 +301,18 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("request_id", "anchor_token_id", "anchor_position", "draft_token_ids", "draft_supports", "sampling")
+    __slots__ = ("request_id", "anchor_token_id", "anchor_position", "draft_token_ids", "draft_supports")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SUPPORTS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     anchor_token_id: int
     anchor_position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_supports: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    sampling: SamplingState
-    def __init__(self, request_id: _Optional[str] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_supports: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingState, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_supports: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "stats")
@@ -447,13 +437,12 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "context_features", "anchor_token_id", "anchor_position", "temperature", "support_size", "seed", "max_draft_tokens", "context_token_ids")
+    __slots__ = ("request_id", "context_features", "anchor_token_id", "anchor_position", "temperature", "seed", "max_draft_tokens", "context_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_POSITION_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    SUPPORT_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -462,11 +451,10 @@ class ProposeItem(_message.Message):
     anchor_token_id: int
     anchor_position: int
     temperature: float
-    support_size: int
     seed: int
     max_draft_tokens: int
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., temperature: _Optional[float] = ..., support_size: _Optional[int] = ..., seed: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals", "stats")
@@ -511,14 +499,13 @@ class DrafterServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterServiceGetInfoResponse(_message.Message):
-    __slots__ = ("drafter_id", "drafter_name", "kind", "sequential_head", "has_confidence_head", "block_size", "max_draft_tokens", "max_support_size", "target_model_name", "target_layer_ids", "target_hidden_size")
+    __slots__ = ("drafter_id", "drafter_name", "kind", "sequential_head", "has_confidence_head", "block_size", "max_support_size", "target_model_name", "target_layer_ids", "target_hidden_size")
     DRAFTER_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SEQUENTIAL_HEAD_FIELD_NUMBER: _ClassVar[int]
     HAS_CONFIDENCE_HEAD_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SUPPORT_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -529,9 +516,8 @@ class DrafterServiceGetInfoResponse(_message.Message):
     sequential_head: SequentialHead
     has_confidence_head: bool
     block_size: int
-    max_draft_tokens: int
     max_support_size: int
     target_model_name: str
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     target_hidden_size: int
-    def __init__(self, drafter_id: _Optional[str] = ..., drafter_name: _Optional[str] = ..., kind: _Optional[_Union[DrafterKind, str]] = ..., sequential_head: _Optional[_Union[SequentialHead, str]] = ..., has_confidence_head: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_support_size: _Optional[int] = ..., target_model_name: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, drafter_id: _Optional[str] = ..., drafter_name: _Optional[str] = ..., kind: _Optional[_Union[DrafterKind, str]] = ..., sequential_head: _Optional[_Union[SequentialHead, str]] = ..., has_confidence_head: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_support_size: _Optional[int] = ..., target_model_name: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ...) -> None: ...
