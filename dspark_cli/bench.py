@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 
-from .models import DRAFTER_NAMES, add_matmul_dtype_arg, default_target, models_dir, resolve_drafter_path
+from .models import DRAFTER_NAMES, add_matmul_dtype_arg, resolve_target, models_dir, resolve_drafter_path
 
 DEFAULT_DATASETS = ("mbpp.jsonl", "livecodebench.jsonl")
 
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="repeats of every point; medians count (default 1)")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses its own stream (default 0)")
-    p.add_argument("--target", default=None, help="target model directory (default: bundled)")
+    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
     p.add_argument("--drafter", default="auto", choices=("auto", *DRAFTER_NAMES),
                    help="shipped drafter (default auto = dspark)")
     p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
@@ -182,7 +182,7 @@ def run(args) -> int:
 
     settings = check_args(args)  # validate before loading anything
     _quiet_transformers()
-    target_dir = args.target or default_target()
+    target_dir = resolve_target(args.target)
     drafter_path = resolve_drafter_path(args.drafter, args.drafter_path)
     target, drafter = load_stack(target_dir, drafter_path, args.device, args.dtype, args.drafter_matmul_dtype)
     prompts, source = load_prompt_list(args, target)

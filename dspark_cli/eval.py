@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 
-from .models import DRAFTER_NAMES, add_matmul_dtype_arg, default_target, resolve_drafter_path
+from .models import DRAFTER_NAMES, add_matmul_dtype_arg, resolve_target, resolve_drafter_path
 
 TRUNCATION_NOTE = ("draft tokens are sampled from the top-{k} of softmax(logits / T), renormalised; the verifier "
                    "uses q on that support, so output stays lossless, but truncation can lower acceptance. "
@@ -39,7 +39,7 @@ def add_common_args(p, max_new_tokens: int) -> None:
                    help="token-id prompts instead (a JSON list or {\"prompt_ids\": [...]} per line), used as given")
     p.add_argument("--drafter", default=None, choices=DRAFTER_NAMES, help="shipped drafter (models/<name>)")
     p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
-    p.add_argument("--target", default=None, help="target model directory (default: bundled)")
+    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
     p.add_argument("--split", default="eval", choices=("eval", "all"),
                    help="eval: the fixed held-out 20%% of each --dataset (default); all: the file as given (a prompt "
                         "set kept apart from training)")
@@ -136,7 +136,7 @@ def load_models(args):
     if path is None:
         raise InvalidArgument("--drafter", None, "is required (a shipped name or --drafter-path DIR)")
     _quiet_transformers()
-    target, drafter = load_stack(args.target or default_target(), path, args.device, args.dtype,
+    target, drafter = load_stack(resolve_target(args.target), path, args.device, args.dtype,
                                  args.drafter_matmul_dtype)
     return target, drafter, path
 

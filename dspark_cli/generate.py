@@ -11,7 +11,7 @@ from dspark_core.errors import InvalidArgument
 from dspark_core.stack import load_sps
 from dspark_core.text import encode_prompt
 
-from .models import DRAFTER_NAMES, add_matmul_dtype_arg, default_target, load_stack, resolve_drafter_path
+from .models import DRAFTER_NAMES, add_matmul_dtype_arg, resolve_target, load_stack, resolve_drafter_path
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                        description="Generate a continuation of PROMPT with speculative decoding on the bundled model.")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text (a user message for chat models)")
     p.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text, e.g. 1,2,3")
-    p.add_argument("--target", default=None, help="target model directory (any HF causal LM; default: bundled)")
+    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or any HF causal LM directory")
     p.add_argument("--drafter", default="auto", choices=("auto", "none", *DRAFTER_NAMES),
                    help="shipped drafter to use; none = autoregressive; auto = dspark when installed")
     p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
@@ -89,7 +89,8 @@ def run(args) -> int:
         raise InvalidArgument("prompt", args.prompt, "must not be empty")
     params = sampling_params(args)  # validate before loading anything
     _quiet_transformers()
-    target, drafter = load_stack(args.target or default_target(),
+    target_dir = resolve_target(args.target)
+    target, drafter = load_stack(target_dir,
                                  resolve_drafter_path(args.drafter, args.drafter_path), args.device, args.dtype,
                                  args.drafter_matmul_dtype)
     params = sampling_params(args, stop_token_ids=target.eos_token_ids)
@@ -98,7 +99,7 @@ def run(args) -> int:
     policy = args.policy if drafter is not None else "ar"
     # DeepSpec's round protocol, so that released checkpoints reproduce their reference traces round by round
     engine = Engine(target, drafter, EngineConfig(policy=policy, block_size=args.block_size, deepspec_rounds=True),
-                    sps=load_sps(args.target or default_target()))
+                    sps=load_sps(target_dir))
     streamer = None
     if not args.json and target.tokenizer is not None:
         streamer = TextStreamer(target.tokenizer)

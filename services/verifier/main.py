@@ -11,7 +11,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     flags.add_common(p, 50052)
     flags.add_model(p)
-    p.add_argument("--target", default=flags.env("TARGET"), help="target model directory (default: bundled)")
+    p.add_argument("--target", default=flags.env("TARGET"), help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
     p.add_argument("--drafter-path", default=flags.env("DRAFTER_PATH"),
                    help="drafter checkpoint whose config names the target layers to tap")
     p.add_argument("--tap-layer-ids", default=flags.env("TAP_LAYER_IDS"),
@@ -24,7 +24,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from dspark_core.stack import default_target
+    from dspark_core.stack import resolve_target
 
     from ..common import flags
     from ..common.server import ServerConfig
@@ -35,7 +35,7 @@ def run(args) -> int:
     if args.tap_layer_ids:
         taps = tuple(int(x) for x in args.tap_layer_ids.split(",") if x.strip())
     cfg = VerifierConfig(
-        target=args.target or default_target(flags.env("MODELS_DIR")), server=ServerConfig(args.port, args.host, args.drain_seconds),
+        target=resolve_target(args.target, flags.env("MODELS_DIR"), flags.env("HOME")), server=ServerConfig(args.port, args.host, args.drain_seconds),
         device=args.device, dtype=args.dtype, tap_layer_ids=taps, drafter_path=args.drafter_path,
         redis_url=args.redis_url, verifier_id=args.id, advertise_host=args.advertise_host,
         advertise_address=args.advertise_address, max_active=args.max_active,
