@@ -252,3 +252,34 @@ def test_embedded_and_distributed_refuse_a_drafter_of_another_target(aio, fixtur
                               drafter_addresses=(f"127.0.0.1:{dr.port}",))
     finally:
         cluster.stop(aio, dr, v)
+
+
+def test_serve_all_auto_drafter_beside_a_same_shape_target_serves_without_it(aio, tmp_path, caplog):
+    """`serve all --drafter auto` (the default) on a target shaped like the bundled one but with other weights:
+    the embedding fingerprint differs, so it serves autoregressively and says so (a named drafter is refused)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dspark_cli.models import models_dir
+    from dspark_core.errors import ModelLoadError
+
+    bundled, own = models_dir() / "target", tmp_path / "own"
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bundled)).save_pretrained(own)
+    for f in bundled.glob("tokenizer*"):
+        shutil.copy(f, own / f.name)
+    shipped = str(models_dir() / "dspark")
+    s = None
+    try:
+        with caplog.at_level("WARNING"):
+            s = cluster.scheduler(aio, embedded_target=str(own), embedded_drafter=shipped, embedded_drafter_auto=True,
+                                  policy="causal")
+        assert s.frontend.card.drafter is None and s.frontend.card.policy == "ar"
+        assert any("its embedding differs" in r.getMessage() and "serving without a drafter" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        cluster.stop(aio, s)
+    with pytest.raises(ModelLoadError, match="embedding"):
+        cluster.scheduler(aio, embedded_target=str(own), embedded_drafter=shipped)
