@@ -62,8 +62,8 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
                    help="prompt_lookup_num_tokens of HF prompt-lookup decoding (default 10)")
     p.add_argument("--profile-sps", action="store_true",
-                   help="measure a quick SPS table in this process (not saved) instead of reading the target's sps.json; "
-                        "without it, causal/async are skipped with a warning when the target has none")
+                   help="measure a quick SPS table in this process (not saved) instead of reading the target's "
+                        "sps.json; without it, causal/async are skipped with a warning when the target has none")
     add_device_args(p)
     add_matmul_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")

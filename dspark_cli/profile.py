@@ -14,8 +14,8 @@ from .options import add_device_args, add_target_arg
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure the target's verification steps per second SPS(B)",
                        description="Measure SPS(B), verification steps per second with B tokens per forward "
-                                   "pass, and save it as a cost table (sps.json) in the model's install location: beside a model "
-                                   "of your own, $DSPARK_HOME/models/NAME for one shipped in the source tree.")
+                                   "pass, and save it as a cost table (sps.json) in the model's install location: "
+                                   "beside a model of your own, $DSPARK_HOME/models/NAME for a shipped one.")
     add_target_arg(p)
     p.add_argument("--max-batch", type=int, default=256,
                    help="largest B in tokens (default 256: 32 requests x 8 tokens); every B up to --dense-until, "
@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
                         "(comma-separated; 'none' to skip). Schedulers read the row of the step's request "
                         "count: at batch 1, 8 tokens are one context's attention, not 8 (default 1,2,4,8,16,32)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per B; the median counts (default 7)")
-    p.add_argument("--out", default=None, help="where to write the table (default: sps.json in the target's install location; the "
+    p.add_argument("--out", default=None,
+                   help="where to write the table (default: sps.json in the target's install location; the "
                         "commands and services read it from there)")
     p.add_argument("--plot", default=None, help="PNG path for the curve (default: beside --out)")
     add_device_args(p)

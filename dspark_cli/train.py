@@ -180,7 +180,8 @@ def _load_responses(args, target, say):
     out = []
     for f in args.responses:
         samples, held, long_ = load_responses(f, target.tokenizer, target.eos_token_ids,
-                                              max_length=min(args.max_length, target.max_context), eval_fraction=args.eval_fraction)
+                                              max_length=min(args.max_length, target.max_context),
+                                              eval_fraction=args.eval_fraction)
         say(f"responses: {f}: {len(samples)} sequences ({held} held-out prompts and {long_} sequences longer "
             f"than --max-length skipped)")
         out.extend(samples)

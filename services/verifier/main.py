@@ -74,7 +74,8 @@ def colocated_drafter_config(args, calibration_file: str | None = None):
         address = f"{args.advertise_address.rsplit(':', 1)[0]}:{port}"
     return DrafterAppConfig(drafter_path=args.drafter_path, server=ServerConfig(port, args.host, args.drain_seconds),
                             device=args.device, dtype=args.dtype, matmul_dtype=args.drafter_matmul_dtype,
-                            calibration_file=calibration_file, redis_url=args.redis_url, drafter_id=f"{args.id}-drafter" if args.id else None,
+                            calibration_file=calibration_file, redis_url=args.redis_url,
+                            drafter_id=f"{args.id}-drafter" if args.id else None,
                             advertise_host=args.advertise_host, advertise_address=address)
 
 

@@ -60,7 +60,8 @@ MATRIX: dict[str, dict] = {
         "verifier": {
             "device": "cuda",
             "dtype": "bfloat16",
-            "resources": {"requests": {"cpu": "4", "memory": "28Gi"}, "limits": {"memory": "48Gi", "nvidia.com/gpu": 1}},
+            "resources": {"requests": {"cpu": "4", "memory": "28Gi"},
+                          "limits": {"memory": "48Gi", "nvidia.com/gpu": 1}},
         },
     },
     "observability": {

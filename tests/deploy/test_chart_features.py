@@ -191,7 +191,8 @@ def test_drafter_matmul_dtype_reaches_the_drafter_only(chart):
     args = main_container(deployment_of(objs, "drafter"))["args"]
     assert args[args.index("--drafter-matmul-dtype") + 1] == "float32"
     assert "--drafter-matmul-dtype" not in main_container(deployment_of(objs, "verifier"))["args"]
-    assert "--drafter-matmul-dtype" not in main_container(deployment_of(manifests(render(chart, {})), "drafter"))["args"]
+    default_args = main_container(deployment_of(manifests(render(chart, {})), "drafter"))["args"]
+    assert "--drafter-matmul-dtype" not in default_args
     assert "matmulDtype" in _render_error(chart, {"drafter": {"matmulDtype": "fp8"}})
 
 
