@@ -7,7 +7,7 @@ Prompts: `--dataset F.jsonl` (DeepSpec format, first turn, used as given), defau
 taken round-robin; the first `--num-prompts` that fit the context window. The measurement protocol is
 documented in `dspark_core/benchmark.py`.
 
-Causal and async need the target's SPS(B) table (`TARGET/sps.json`, written by `dspark profile`, loaded
+Causal and async need the target's SPS(B) table (`sps.json`, written by `dspark profile`, loaded
 as `dspark generate` does). When it is missing they are skipped with a warning (stderr, and `warnings` in
 the JSON). `--profile-sps` measures a quick table in the benchmark's own process instead (B on a doubling
 grid up to max concurrency x (block + 1), 3 timed repeats each; not saved), so that the policies schedule
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 
-from .models import DRAFTER_NAMES, add_matmul_dtype_arg, resolve_target, models_dir, resolve_drafter_path
+from .models import models_dir, resolve_drafter_path, resolve_target
+from .options import DRAFTER_CHOICES, add_device_args, add_matmul_dtype_arg, add_target_arg, drafter_is_auto
 
 DEFAULT_DATASETS = ("mbpp.jsonl", "livecodebench.jsonl")
 
@@ -51,8 +52,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="repeats of every point; medians count (default 1)")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses its own stream (default 0)")
-    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
-    p.add_argument("--drafter", default="auto", choices=("auto", *DRAFTER_NAMES),
+    add_target_arg(p)
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_CHOICES,
                    help="shipped drafter (default auto = dspark)")
     p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
@@ -61,10 +62,9 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
                    help="prompt_lookup_num_tokens of HF prompt-lookup decoding (default 10)")
     p.add_argument("--profile-sps", action="store_true",
-                   help="measure a quick SPS table in this process (not saved) instead of reading TARGET/sps.json; "
-                        "without it, causal/async are skipped with a warning when TARGET/sps.json is missing")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+                   help="measure a quick SPS table in this process (not saved) instead of reading the target's "
+                        "sps.json; without it, causal/async are skipped with a warning when the target has none")
+    add_device_args(p)
     add_matmul_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="also write the JSON object to this file")
@@ -130,23 +130,6 @@ def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
     return prompts, source
 
 
-def quick_sps(target, max_tokens: int):
-    """A quick SPS(B) table for this run only: B on a doubling grid, 3 timed repeats each."""
-    from dspark_core.cost_model import profile_sps
-    from dspark_core.profiling import VerifyStepBench
-
-    sizes, b = [], 1
-    while b < max_tokens:
-        sizes.append(b)
-        b *= 2
-    sizes.append(max_tokens)
-    bench = VerifyStepBench(target, context_length=min(256, target.max_context // 2), block=8)
-    try:
-        return profile_sps(bench, sizes, repeats=3, warmup=1, device=str(target.device), model=target.name)
-    finally:
-        bench.close()
-
-
 def load_hf_peer(args, target_dir: str, warnings: list[str]):
     import torch
     from transformers import AutoModelForCausalLM
@@ -160,6 +143,14 @@ def load_hf_peer(args, target_dir: str, warnings: list[str]):
     assistant = None
     if (Path(asst_dir) / "config.json").exists():
         assistant = AutoModelForCausalLM.from_pretrained(asst_dir, dtype=torch.float32).to(dev).eval()
+        theirs, mine = assistant.get_output_embeddings().weight.shape[0], model.get_output_embeddings().weight.shape[0]
+        if theirs != mine:
+            if args.hf_assistant:
+                raise InvalidArgument("--hf-assistant", args.hf_assistant,
+                                      f"must share the target's vocabulary ({mine} tokens; it has {theirs})")
+            warnings.append(f"HF assisted generation skipped: the assistant in {asst_dir} has another vocabulary "
+                            f"({theirs} tokens, the target {mine}); --hf-assistant DIR names one for this target")
+            assistant = None
     elif args.hf_assistant:
         raise InvalidArgument("--hf-assistant", args.hf_assistant, "must be a model directory with a config.json")
     else:
@@ -174,17 +165,17 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from dspark_core.benchmark import plan, plot_results, run_benchmark, total_requests
-
-    from dspark_core.stack import load_sps
+    from dspark_core.profiling import quick_sps_table
 
     from .generate import _quiet_transformers
-    from .models import load_stack
+    from .models import load_sps, load_stack
 
     settings = check_args(args)  # validate before loading anything
     _quiet_transformers()
     target_dir = resolve_target(args.target)
-    drafter_path = resolve_drafter_path(args.drafter, args.drafter_path)
-    target, drafter = load_stack(target_dir, drafter_path, args.device, args.dtype, args.drafter_matmul_dtype)
+    drafter_path = resolve_drafter_path(args.drafter, args.drafter_path, target_dir)
+    target, drafter = load_stack(target_dir, drafter_path, args.device, args.dtype, args.drafter_matmul_dtype,
+                                 auto=drafter_is_auto(args))
     prompts, source = load_prompt_list(args, target)
     warnings: list[str] = []
     wants_sps = any(p in ("causal", "async") for p in settings.policies)
@@ -192,11 +183,11 @@ def run(args) -> int:
     if wants_sps and args.profile_sps:
         print("dspark bench: profiling a quick SPS table for this run (--profile-sps)", file=sys.stderr)
         block = (args.block_size or getattr(drafter, "block_size", None) or 7) + 1
-        sps = quick_sps(target, max(settings.concurrencies) * block)
+        sps = quick_sps_table(target, max(settings.concurrencies) * block, budget_s=float("inf"))
         sps_source = "quick profile in this process (--profile-sps, not saved)"
     elif wants_sps:
-        sps = load_sps(target_dir)
-        sps_source = str(Path(target_dir) / "sps.json") if sps is not None else None
+        sps, sps_path = load_sps(target_dir)
+        sps_source = str(sps_path) if sps is not None else None
     hf = None
     hf_config = None
     if not args.no_hf:

@@ -1,4 +1,4 @@
-"""`dspark calibrate`: fit STS confidence temperatures on held-out rollouts and save them beside the drafter.
+"""`dspark calibrate`: fit STS confidence temperatures on held-out rollouts and save them for the drafter.
 
 Rollouts: the drafter decodes the eval split of each `--dataset` (first turn, `--limit K` first eval prompts
 per file) with the fixed policy (every draft verified) at T = 1.0, `--samples` times with different seeds,
@@ -6,7 +6,9 @@ logging each round's raw confidence logits and accepted count. Those eval prompt
 alternately by prompt: even-numbered prompts fit the temperatures, odd-numbered ones check them (the
 before/after table is on the check half, out of sample). `--no-holdout` fits and reports on everything (in
 sample, labelled as such).
-Writes `<drafter>/calibration.json` = {"method": "sts", "temperatures": [...], ...}; `load_drafter` reads it.
+Writes `calibration.json` = {"method": "sts", "temperatures": [...], ...} to `--out DIR`, default the drafter's
+install location (`dspark_cli.models.generated_dir`: beside a drafter of one's own, `$DSPARK_HOME/models/NAME` for
+a shipped one, so that no tracked file changes); the commands and services read it from there.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import numpy as np
 from dspark_core.errors import InvalidArgument
 
 from .eval import add_common_args, check_common, load_models, load_prompt_sets
+from .models import generated_dir
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="fit STS confidence temperatures for a DSpark drafter",
                        description="Collect fixed-policy rollouts on the eval split, fit sequential temperature "
-                                   "scaling, write calibration.json beside the drafter and print ECE / AUC by "
-                                   "position.")
+                                   "scaling, write calibration.json to the drafter's install location (or --out) and "
+                                   "print ECE / AUC by position.")
     add_common_args(p, max_new_tokens=256)
     p.add_argument("--samples", type=int, default=2,
                    help="rollouts per prompt, each with its own seed (default 2; temperature 0 runs one, the rest "
@@ -38,6 +41,10 @@ def add_parser(sub) -> None:
     p.add_argument("--min-rounds", type=int, default=50,
                    help="positions with fewer fitting rounds keep t = 1 (default 50)")
     p.add_argument("--dry-run", action="store_true", help="fit and report, but do not write calibration.json")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="directory to write calibration.json to (default: the drafter's install location: beside a "
+                        "drafter of your own, $DSPARK_HOME/models/NAME for a shipped one; the commands and services "
+                        "read it from there)")
     p.set_defaults(func=run)
 
 
@@ -95,7 +102,8 @@ def run(args) -> int:
         meta["ece_survival_raw"] = [r["ece_survival_raw"] for r in table]
         meta["ece_survival_sts"] = [r["ece_survival_sts"] for r in table]
         meta["table_on"] = result["table_on"]
-        result["written"] = str(cal.write_calibration(path, temps, {"fitted_on": meta}, greedy=greedy))
+        out = Path(args.out) if args.out else generated_dir(path)
+        result["written"] = str(cal.write_calibration(out, temps, {"fitted_on": meta}, greedy=greedy, base_dir=path))
     if args.plots:
         from dspark_core.report import plot_reliability
 

@@ -20,7 +20,10 @@ _FINISH = {1: "stop", 2: "length", 3: "context_length"}
 def add_parser(sub) -> None:
     p = sub.add_parser("client", help="talk to a running scheduler", description="gRPC client of SchedulerService.")
     which = p.add_subparsers(dest="action", required=True, parser_class=type(p), metavar="ACTION")
-    g = which.add_parser("generate", help="generate a continuation of PROMPT on a scheduler")
+    g = which.add_parser("generate", help="generate a continuation of PROMPT on a scheduler",
+                         description="Send one request to a running scheduler (`dspark serve all` or `serve "
+                                     "scheduler`) over gRPC and stream the answer; same sampling flags and defaults "
+                                     "as `dspark generate`.")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt text (tokenized by the server, no chat template)")
     g.add_argument("--address", default="127.0.0.1:50051",
                    help="scheduler host:port, or several comma-separated: on UNAVAILABLE the request is retried on "

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 
-from .models import DRAFTER_NAMES, add_matmul_dtype_arg, resolve_target, resolve_drafter_path
+from .models import resolve_drafter_path, resolve_target
+from .options import add_device_args, add_drafter_args, add_matmul_dtype_arg, add_target_arg
 
 TRUNCATION_NOTE = ("draft tokens are sampled from the top-{k} of softmax(logits / T), renormalised; the verifier "
                    "uses q on that support, so output stays lossless, but truncation can lower acceptance. "
@@ -37,9 +38,8 @@ def add_common_args(p, max_new_tokens: int) -> None:
                    help="DeepSpec-format prompt file ({\"turns\": [...]} per line); first turn, eval split")
     p.add_argument("--prompt-ids-file", default=None, metavar="F.jsonl",
                    help="token-id prompts instead (a JSON list or {\"prompt_ids\": [...]} per line), used as given")
-    p.add_argument("--drafter", default=None, choices=DRAFTER_NAMES, help="shipped drafter (models/<name>)")
-    p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
-    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
+    add_drafter_args(p, what="drafter to measure")
+    add_target_arg(p)
     p.add_argument("--split", default="eval", choices=("eval", "all"),
                    help="eval: the fixed held-out 20%% of each --dataset (default); all: the file as given (a prompt "
                         "set kept apart from training)")
@@ -49,8 +49,7 @@ def add_common_args(p, max_new_tokens: int) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0, the paper's)")
     p.add_argument("--concurrency", type=int, default=32, help="requests decoded together (default 32)")
     p.add_argument("--seed", type=int, default=0, help="base seed; request i uses its own stream (default 0)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    add_device_args(p)
     add_matmul_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -130,14 +129,14 @@ def load_models(args):
     from .generate import _quiet_transformers
     from .models import load_stack
 
-    if args.drafter and args.drafter_path:
-        raise InvalidArgument("--drafter", args.drafter, "give --drafter or --drafter-path, not both")
-    path = resolve_drafter_path(args.drafter, args.drafter_path)
+    target_dir = resolve_target(args.target)
+    why: list[str] = []
+    path = resolve_drafter_path(args.drafter, args.drafter_path, target_dir, say=why.append)
     if path is None:
-        raise InvalidArgument("--drafter", None, "is required (a shipped name or --drafter-path DIR)")
+        raise InvalidArgument("--drafter", args.drafter, "must name a drafter trained for the target (a shipped name "
+                              f"or --drafter-path DIR): this command measures one{': ' + why[0] if why else ''}")
     _quiet_transformers()
-    target, drafter = load_stack(resolve_target(args.target), path, args.device, args.dtype,
-                                 args.drafter_matmul_dtype)
+    target, drafter = load_stack(target_dir, path, args.device, args.dtype, args.drafter_matmul_dtype)
     return target, drafter, path
 
 
@@ -147,10 +146,10 @@ def check_common(args) -> None:
         raise InvalidArgument("--limit", args.limit, "must be >= 1")
     if bool(args.dataset) == bool(args.prompt_ids_file):
         raise InvalidArgument("--dataset", args.dataset, "give --dataset (one or more) or --prompt-ids-file, not both")
-    if args.drafter and args.drafter_path:
+    if args.drafter not in ("auto", None) and args.drafter_path:
         raise InvalidArgument("--drafter", args.drafter, "give --drafter or --drafter-path, not both")
-    if not args.drafter and not args.drafter_path:
-        raise InvalidArgument("--drafter", None, "is required (a shipped name or --drafter-path DIR)")
+    if args.drafter == "none" and not args.drafter_path:
+        raise InvalidArgument("--drafter", args.drafter, "must name a drafter: this command measures one")
     if not args.temperature >= 0 or args.temperature != args.temperature:
         raise InvalidArgument("--temperature", args.temperature, "must be >= 0")
     if args.max_new_tokens < 1:

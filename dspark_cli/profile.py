@@ -7,14 +7,16 @@ from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 
-from .models import resolve_target
+from .models import SPS_FILE, generated_dir, resolve_target
+from .options import add_device_args, add_target_arg
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure the target's verification steps per second SPS(B)",
                        description="Measure SPS(B), verification steps per second with B tokens per forward "
-                                   "pass, and save it as a cost table (sps.json) beside the model.")
-    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
+                                   "pass, and save it as a cost table (sps.json) in the model's install location: "
+                                   "beside a model of your own, $DSPARK_HOME/models/NAME for a shipped one.")
+    add_target_arg(p)
     p.add_argument("--max-batch", type=int, default=256,
                    help="largest B in tokens (default 256: 32 requests x 8 tokens); every B up to --dense-until, "
                         "then every --stride-th")
@@ -29,10 +31,11 @@ def add_parser(sub) -> None:
                         "(comma-separated; 'none' to skip). Schedulers read the row of the step's request "
                         "count: at batch 1, 8 tokens are one context's attention, not 8 (default 1,2,4,8,16,32)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per B; the median counts (default 7)")
-    p.add_argument("--out", default=None, help="where to write the table (default: TARGET/sps.json)")
+    p.add_argument("--out", default=None,
+                   help="where to write the table (default: sps.json in the target's install location; the "
+                        "commands and services read it from there)")
     p.add_argument("--plot", default=None, help="PNG path for the curve (default: beside --out)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    add_device_args(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own; on a busy shared CPU, 1 is steadier)")
     p.add_argument("--raw", action="store_true",
@@ -87,7 +90,8 @@ def run(args) -> int:
         table = dataclasses.replace(table, by_requests=rows)
     bar.close()
     bench.close()
-    out = Path(args.out) if args.out else Path(target_dir) / "sps.json"
+    out = Path(args.out) if args.out else generated_dir(target_dir) / SPS_FILE
+    out.parent.mkdir(parents=True, exist_ok=True)
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     if args.raw:
         table.save(out)

@@ -12,7 +12,8 @@ import json
 
 from dspark_core.errors import InvalidArgument
 
-from .models import DRAFTER_NAMES, resolve_target, resolve_drafter_path
+from .models import resolve_target, resolve_drafter_path
+from .options import add_device_args, add_drafter_args
 
 
 def add_parser(sub) -> None:
@@ -22,15 +23,13 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output folder for report.md and PNGs")
     p.add_argument("--head-cost", action="store_true",
                    help="also time the sequential head of --drafter / --drafter-path (share of a round)")
-    p.add_argument("--drafter", default=None, choices=DRAFTER_NAMES, help="shipped drafter for --head-cost")
-    p.add_argument("--drafter-path", default=None, help="drafter directory for --head-cost")
+    add_drafter_args(p, what="drafter whose head --head-cost times")
     p.add_argument("--target", default=None, help="target for the verify time in --head-cost (default: bundled "
                                                   "if present; without one only the share of propose is given)")
     p.add_argument("--batch-sizes", default="1,32", help="batch sizes for --head-cost (default 1,32)")
     p.add_argument("--context-length", type=int, default=128, help="context per request for --head-cost")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per measurement (median)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    add_device_args(p)
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(func=run)
 

@@ -7,6 +7,7 @@ bundled models unless told otherwise); Redis is optional there.
 from __future__ import annotations
 
 import argparse
+import logging
 
 
 def add_parser(sub) -> None:
@@ -14,22 +15,31 @@ def add_parser(sub) -> None:
     from services.scheduler import main as scheduler_main
     from services.verifier import main as verifier_main
 
-    p = sub.add_parser("serve", help="run the gRPC services", description="Run DSpark's gRPC services.")
+    p = sub.add_parser("serve", help="run the services (gRPC, and OpenAI-compatible HTTP)",
+                       description="Run DSpark's services: everything in one process (all), or the verifier, drafter "
+                                   "and scheduler as separate pods coordinated through Redis.")
     which = p.add_subparsers(dest="service", required=True, parser_class=type(p), metavar="SERVICE")
 
-    a = which.add_parser("all", help="everything in one process on the bundled model (Redis optional)")
+    a = which.add_parser("all", help="everything in one process on the bundled model (Redis optional)",
+                         description="The scheduler with the target and drafter embedded: one process serving gRPC "
+                                     "(and OpenAI-compatible HTTP with --http-port). Redis is optional.")
     _add_all_args(a)
     a.set_defaults(func=_run_all)
 
-    v = which.add_parser("verifier", help="the verifier service (hosts the target)")
+    v = which.add_parser("verifier", help="the verifier service (hosts the target)",
+                         description="Host the target model: prefill and verify drafts for schedulers, publish itself "
+                                     "in Redis. Profiles a quick SPS cost table at start-up when the target has none.")
     verifier_main.add_args(v)
     v.set_defaults(func=verifier_main.run)
 
-    d = which.add_parser("drafter", help="the drafter service (hosts a drafter)")
+    d = which.add_parser("drafter", help="the drafter service (hosts a drafter)",
+                         description="Host a drafter: propose draft blocks from the target features schedulers send.")
     drafter_main.add_args(d)
     d.set_defaults(func=drafter_main.run)
 
-    s = which.add_parser("scheduler", help="the scheduler service (front door)")
+    s = which.add_parser("scheduler", help="the scheduler service (front door)",
+                         description="The front door: accept requests (gRPC, OpenAI-compatible HTTP), run continuous "
+                                     "batching over verifier and drafter pods found by address or in Redis.")
     scheduler_main.add_args(s)
     s.set_defaults(func=scheduler_main.run)
 
@@ -38,15 +48,15 @@ def _add_all_args(p: argparse.ArgumentParser) -> None:
     from services.common import flags
     from services.scheduler.main import add_engine_args
 
-    from .models import DRAFTER_NAMES
+    from .options import add_drafter_args, add_matmul_dtype_arg, add_target_arg
 
     flags.add_common(p, 50051)
     flags.add_model(p)
     add_engine_args(p)
-    p.add_argument("--target", default=flags.env("TARGET"), help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
-    p.add_argument("--drafter", default="auto", choices=("auto", "none", *DRAFTER_NAMES),
-                   help="shipped drafter; none = autoregressive; auto = dspark when installed")
-    p.add_argument("--drafter-path", default=flags.env("DRAFTER_PATH"), help="drafter checkpoint directory")
+    add_target_arg(p, flags.env("TARGET"))
+    add_drafter_args(p, flags.env("DRAFTER", "auto"), flags.env("DRAFTER_PATH"))
+    add_matmul_dtype_arg(p, flags.env("DRAFTER_MATMUL_DTYPE", "auto"))
+    flags.add_sps_profile(p)
 
 
 def _run_all(args) -> int:
@@ -54,14 +64,22 @@ def _run_all(args) -> int:
     from services.common.server import ServerConfig
     from services.scheduler.server import SchedulerApp, SchedulerConfig
 
-    from .models import resolve_target, resolve_drafter_path
+    from .models import SPS_FILE, calibration_of, find_generated, resolve_drafter_path, resolve_target
+    from .options import drafter_is_auto
 
     flags.start_observability("dspark-all", args)
+    target = resolve_target(args.target)
+    log = logging.getLogger("dspark.scheduler")
+    drafter = resolve_drafter_path(args.drafter, args.drafter_path, target,
+                                   say=lambda why: log.warning(why + "; serving without a drafter"))
     cfg = SchedulerConfig(
         server=ServerConfig(args.port, args.host, args.drain_seconds), redis_url=args.redis_url,
-        embedded_target=resolve_target(args.target),
-        embedded_drafter=resolve_drafter_path(args.drafter, args.drafter_path), device=args.device, dtype=args.dtype,
+        embedded_target=target, embedded_drafter=drafter,
+        embedded_drafter_auto=drafter_is_auto(args), embedded_matmul_dtype=args.drafter_matmul_dtype,
+        embedded_sps_file=str(sps) if (sps := find_generated(target, SPS_FILE)) else None,
+        embedded_calibration_file=str(cal) if drafter and (cal := calibration_of(drafter)) else None,
+        served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
         policy=args.policy, block_size=args.block_size, max_active=args.max_active, max_waiting=args.max_waiting,
-        default_max_new_tokens=args.default_max_new_tokens,
+        default_max_new_tokens=args.default_max_new_tokens, profile_budget_s=args.sps_profile_seconds,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id)
     return flags.run_app(lambda: SchedulerApp(cfg))

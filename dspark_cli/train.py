@@ -17,6 +17,7 @@ from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE
 from dspark_core.errors import InvalidArgument
 
 from .models import resolve_target
+from .options import add_target_arg
 
 KINDS = ("dspark", "dspark-rnn", "dflash", "eagle3")
 
@@ -63,12 +64,18 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="train a drafter for a target (self-distillation, target cache, training)",
         description="Train a DSpark / DSpark-RNN / DFlash / Eagle3 drafter for TARGET. Prompts (the 80% train "
-                    "split) are answered by the target itself, the target's features are cached, and the drafter "
+                    "split) are answered by the target itself (or --responses brings answers generated elsewhere), the "
+                    "target's features are cached, and the drafter "
                     "is trained from the cache. Runs unchanged under torchrun --nproc-per-node N.")
     p.add_argument("--kind", default="dspark", choices=KINDS, help="drafter to train (default dspark)")
-    p.add_argument("--target", default=None, help="target: tiny (the bundled 7M model, default), smollm2, or any HF causal LM directory")
-    p.add_argument("--data", nargs="+", required=True, metavar="JSONL",
-                   help="DeepSpec-format prompt files ({\"turns\": [...]} per line); the train split is used")
+    add_target_arg(p)
+    p.add_argument("--data", nargs="+", default=None, metavar="JSONL",
+                   help="DeepSpec-format prompt files ({\"turns\": [...]} per line); the train split is used, "
+                        "answered by the target itself")
+    p.add_argument("--responses", nargs="+", default=None, metavar="JSONL",
+                   help="train from responses generated elsewhere (e.g. vLLM serving the target) instead of "
+                        "distilling --data: {\"prompt\": ..., \"response\": ...}, {\"messages\": [...]} or "
+                        "{\"prompt_ids\": [...], \"response_ids\": [...]} per line; held-out prompts are skipped")
     p.add_argument("--out", required=True, help="run directory: checkpoints/, final/, metrics.jsonl, training card")
     p.add_argument("--cache-dir", default=None, help="target cache directory (default OUT/cache); reused when it "
                                                      "was built from the same target, layers, prompts and settings")
@@ -132,7 +139,9 @@ def add_parser(sub) -> None:
                    help="DSpark: also train a greedy confidence output (label: draft argmax == target argmax), "
                         "used for temperature-0 requests; with --init-from a checkpoint without one it starts "
                         "as a copy of the confidence head")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda when present")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when present), cpu, cuda (under torchrun: GPU LOCAL_RANK of each rank) or cuda:N "
+                        "(one process on GPU N) (default auto)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -165,6 +174,22 @@ def _target_layers(target_dir: str, args) -> tuple[int, ...]:
     return default_target_layers(hf.num_hidden_layers)
 
 
+def _load_responses(args, target, say):
+    from dspark_core.training.data import load_responses
+
+    out = []
+    for f in args.responses:
+        samples, held, long_ = load_responses(f, target.tokenizer, target.eos_token_ids,
+                                              max_length=min(args.max_length, target.max_context),
+                                              eval_fraction=args.eval_fraction)
+        say(f"responses: {f}: {len(samples)} sequences ({held} held-out prompts and {long_} sequences longer "
+            f"than --max-length skipped)")
+        out.extend(samples)
+    if not out:
+        raise InvalidArgument("--responses", args.responses, "must hold at least one usable training sequence")
+    return out
+
+
 def run(args) -> int:
     import gc
 
@@ -187,6 +212,11 @@ def run(args) -> int:
         position_decay=args.position_decay, step_decay=args.step_decay,
         confidence_support=args.confidence_support, confidence_temperature=args.confidence_temperature,
         init_from=args.init_from, trainable=args.trainable, greedy_confidence=args.greedy_confidence, fsdp=args.fsdp, bf16=args.bf16)
+    kind, _, index = args.device.partition(":")
+    if not (args.device in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit())):
+        raise InvalidArgument("--device", args.device, "must be auto, cpu, cuda or cuda:N")
+    if bool(args.data) == bool(args.responses):
+        raise InvalidArgument("--data", args.data, "give prompt files (--data) or response files (--responses): one")
     if args.init_from and not Path(args.init_from, "config.json").is_file():
         raise InvalidArgument("--init-from", args.init_from, "must be a drafter checkpoint directory (config.json)")
     settings = [DistillSettings(max_new_tokens=args.max_new_tokens, temperature=t, seed=args.seed,
@@ -204,18 +234,23 @@ def run(args) -> int:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(ctx.world_size)))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if ctx.is_main else (lambda msg: None)
-        prompts = [p for f in args.data for p in load_prompts(f, limit=args.limit_prompts)]
+        prompts = [p for f in args.data or () for p in load_prompts(f, limit=args.limit_prompts)]
         train_prompts, held_out = split(prompts, args.eval_fraction)
-        say(f"prompts: {len(prompts)} ({len(train_prompts)} train, {len(held_out)} held out for evaluation)")
+        if args.data:
+            say(f"prompts: {len(prompts)} ({len(train_prompts)} train, {len(held_out)} held out for evaluation)")
         target_dir = resolve_target(args.target)
         taps = _target_layers(target_dir, args)
         cfg = dataclasses.replace(cfg, target_layer_ids=taps)
         target = TargetRuntime(TargetConfig(model_dir=target_dir, device=str(ctx.device), dtype="auto",
                                             tap_layer_ids=taps))
         cache_dir = Path(args.cache_dir or Path(args.out) / "cache")
+        responses = _load_responses(args, target, say) if args.responses else None
+        if responses is not None:
+            settings = settings[:1]
         caches = [prepare_target_cache(target, train_prompts, cache_dir / f"T{s.temperature:g}" if len(settings) > 1
                                        else cache_dir, ctx, s, rebuild=args.rebuild_cache,
-                                       progress=not args.no_progress, log=say) for s in settings]
+                                       progress=not args.no_progress, log=say, responses=responses)
+                  for s in settings]
         cache = caches[0] if len(caches) == 1 else ConcatCache(caches, cache_dir)
         drafter = fresh_drafter(target, cfg)
         if cfg.init_from:
@@ -223,8 +258,10 @@ def run(args) -> int:
             say(f"initialised from {cfg.init_from}")
         del target
         gc.collect()
-        data_info = {"prompt_files": [str(f) for f in args.data], "train_prompts": len(train_prompts),
+        data_info = {"prompt_files": [str(f) for f in args.data or ()], "train_prompts": len(train_prompts),
                      "held_out_prompts": len(held_out),
+                     **({"response_files": [str(f) for f in args.responses], "responses": len(responses)}
+                        if responses is not None else {}),
                      "distill": settings[0].__dict__ if len(settings) == 1 else
                      {**settings[0].__dict__, "temperature": [s.temperature for s in settings]}}
         trainer = Trainer(cfg, cache, drafter, ctx, resume=args.resume, data_info=data_info,

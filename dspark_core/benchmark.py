@@ -109,7 +109,10 @@ def parse_int_list(text: str, flag: str) -> list[int]:
 
 
 def parse_policies(text: str, flag: str = "--policy") -> list[str]:
-    names = [x for x in str(text).replace(" ", "").split(",") if x != ""]
+    """Comma-separated registered policy names (aliases such as async_topk resolved)."""
+    from .scheduling import POLICY_ALIASES
+
+    names = [POLICY_ALIASES.get(x, x) for x in str(text).replace(" ", "").split(",") if x != ""]
     bad = [n for n in names if n not in POLICIES]
     if not names or bad or len(set(names)) != len(names):
         raise InvalidArgument(flag, text, f"must be comma-separated distinct names among {', '.join(POLICIES)}")

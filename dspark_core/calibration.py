@@ -285,20 +285,23 @@ def reliability_by_position(records: RolloutRecords, temperatures=None, bins: in
 
 
 def write_calibration(drafter_dir: str | Path, temperatures, metadata: dict | None = None,
-                      greedy: bool = False) -> Path:
+                      greedy: bool = False, base_dir: str | Path | None = None) -> Path:
     """Write `<drafter_dir>/calibration.json` = {"method": "sts", "temperatures": [...], ...metadata}.
 
     `greedy`: these temperatures calibrate the greedy confidence output instead; they go to the file's
     `"greedy"` section and the sampled-regime temperatures already there are kept (all 1.0 if none). A
-    sampled-regime write keeps an existing greedy section likewise."""
+    sampled-regime write keeps an existing greedy section likewise. When `<drafter_dir>` has no file yet, the
+    section kept comes from `<base_dir>/calibration.json` (the drafter's own, when writing elsewhere)."""
     temps = [float(t) for t in temperatures]
     if not temps or any(not math.isfinite(t) or t <= 0 for t in temps):
         raise InvalidArgument("temperatures", temps, "must be a non-empty list of finite numbers > 0")
     path = Path(drafter_dir) / "calibration.json"
+    source = path if path.is_file() or base_dir is None else Path(base_dir) / "calibration.json"
     try:
-        old = json.loads(path.read_text()) if path.is_file() else {}
+        old = json.loads(source.read_text()) if source.is_file() else {}
     except (OSError, json.JSONDecodeError):
         old = {}
+    path.parent.mkdir(parents=True, exist_ok=True)
     if greedy:
         body = {"method": "sts", "temperatures": [1.0] * len(temps), **old,
                 "greedy": {"temperatures": temps, **(metadata or {})}}

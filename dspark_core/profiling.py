@@ -82,3 +82,38 @@ class VerifyStepBench:
         for s in self.seqs:
             self.target.release(s)
         self.seqs = []
+
+
+def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float = 30.0, repeats: int = 3):
+    """A quick SPS(B) table (B = 1, 2, 4, ... max_tokens, `repeats` timed passes each), for a target that has
+    no profiled one: what a verifier measures at start-up so that a cost-table policy can run at all.
+
+    Bounded: once `budget_s` seconds are spent, the sizes measured so far make the table (at least B = 1;
+    `SpsTable` extrapolates beyond its last point). Returns a monotone `SpsTable`; `dspark profile` measures
+    the full one."""
+    import time
+
+    from .cost_model import SpsTable, monotone, profile_sps
+
+    if max_tokens < 1:
+        raise InvalidArgument("max_tokens", max_tokens, "must be >= 1")
+    sizes, b = [], 1
+    while b < max_tokens:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_tokens)
+    t0 = time.perf_counter()
+    bench = VerifyStepBench(target, context_length=min(256, max(1, target.max_context // 4)), block=8,
+                            max_sequences=min(32, max_tokens))
+    measured, speeds = [], []
+    try:
+        for b in sizes:
+            speeds.append(profile_sps(bench, [b], repeats=repeats, warmup=1).steps_per_second[0])
+            measured.append(b)
+            if time.perf_counter() - t0 > budget_s:
+                break
+    finally:
+        bench.close()
+    return monotone(SpsTable(tuple(measured), tuple(speeds), device=str(target.device),
+                             dtype=str(target.dtype).replace("torch.", ""), context_length=bench.context_length,
+                             model=target.name))

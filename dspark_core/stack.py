@@ -6,11 +6,17 @@ CLI, the verifier, drafter and scheduler services, the scripts):
 - `load_target_runtime`: a target tapping the layers a drafter reads;
 - `load_stack`: both, drafter first (its config names the taps), vocabularies checked against each
   other, and the embedding / LM-head tensors the drafter shares with the target shared, not copied;
-- `load_sps`: the target's profiled cost table (`sps.json` beside it, written by `dspark profile`);
-- where the shipped models live (`models_dir`) and naming a shipped drafter (`resolve_drafter_path`).
+- `load_sps`: the target's profiled cost table (`sps.json`, written by `dspark profile`);
+- where the shipped models live (`models_dir`) and naming a shipped drafter (`resolve_drafter_path`);
+- where what is generated for a model goes (`generated_dir`, `find_generated`: `sps.json`, `calibration.json`).
+
+A drafter runs only beside the target it was trained for (`drafters.target_record`): `load_stack` refuses
+another target in one line naming both, or, for a drafter picked by `--drafter auto`, says why (`say`) and
+loads the target alone; `resolve_drafter_path("auto", ..., target_dir=)` already skips a default drafter of
+another shape.
 
 Imports torch only when something is loaded, so argument parsing can use the names here. Reads no
-environment: callers pass a models directory when they take one from the environment.
+environment: callers pass a models directory (and the install root) when they take one from the environment.
 """
 
 from __future__ import annotations
@@ -62,16 +68,30 @@ def resolve_target(name_or_dir: str | None, root: str | Path | None = None, home
     return str(p)
 
 
-def resolve_drafter_path(name: str | None, path: str | None, root: str | Path | None = None) -> str | None:
-    """A path wins; name None / "none" is autoregressive; "auto" takes the shipped DSpark if present;
-    any other name is a shipped drafter under `models_dir(root)`."""
+def resolve_drafter_path(name: str | None, path: str | None, root: str | Path | None = None,
+                         target_dir: str | None = None, say=None) -> str | None:
+    """A path wins; name None / "none" is autoregressive; "auto" takes the shipped DSpark if present and,
+    given `target_dir`, shaped for that target (else None after `say(reason)`); any other name is a shipped
+    drafter under `models_dir(root)` (`load_stack` refuses it beside a target it was not trained for)."""
     if path:
         return path
     if name in (None, "none"):
         return None
     if name == "auto":
         p = models_dir(root) / "dspark"
-        return str(p) if (p / "config.json").exists() else None
+        if not (p / "config.json").exists():
+            return None
+        if target_dir is not None:
+            from .drafters.config import load_config
+            from .drafters.target_record import read_target_shape, shape_mismatch
+
+            what = shape_mismatch(load_config(p), read_target_shape(target_dir))
+            if what:
+                if say is not None:
+                    say(f"the default drafter ({p.name}) was trained for another target ({what} differs from "
+                        f"{target_dir})")
+                return None
+        return str(p)
     p = models_dir(root) / name
     if not (p / "config.json").exists():
         raise ModelLoadError(f"drafter {name!r} is not installed (looked in {p})")
@@ -90,13 +110,16 @@ def drafter_taps(drafter_path: str) -> tuple[int, ...]:
     return tuple(load_config(Path(drafter_path)).target_layer_ids)
 
 
-def load_drafter_runtime(drafter_path: str, device: str = "auto", dtype: str = "auto", matmul_dtype: str = "auto"):
-    """A drafter checkpoint on `device` ("auto" resolved) in `dtype` ("auto": the device's default)."""
+def load_drafter_runtime(drafter_path: str, device: str = "auto", dtype: str = "auto", matmul_dtype: str = "auto",
+                         calibration_file: str | Path | None = None):
+    """A drafter checkpoint on `device` ("auto" resolved) in `dtype` ("auto": the device's default);
+    `calibration_file`: its STS temperatures from there (see `find_generated`) instead of beside it."""
     from .drafters import load_drafter
     from .target import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
-    return load_drafter(drafter_path, device=dev, dtype=resolve_dtype(dtype, dev), matmul_dtype=matmul_dtype)
+    return load_drafter(drafter_path, device=dev, dtype=resolve_dtype(dtype, dev), matmul_dtype=matmul_dtype,
+                        calibration_file=calibration_file)
 
 
 def load_target_runtime(target_dir: str, device: str = "auto", dtype: str = "auto",
@@ -108,27 +131,73 @@ def load_target_runtime(target_dir: str, device: str = "auto", dtype: str = "aut
 
 
 def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto",
-               drafter_matmul_dtype: str = "auto"):
-    """(target, drafter or None). The drafter loads first: its config says which target layers to tap."""
+               drafter_matmul_dtype: str = "auto", auto: bool = False, say=None,
+               calibration_file: str | Path | None = None):
+    """(target, drafter or None). The drafter loads first: its config says which target layers to tap.
+
+    The drafter must have been trained for this target (`drafters.target_record`: shapes before anything
+    loads, the embedding fingerprint after): otherwise a one-line ModelLoadError naming both, or, with `auto`
+    (the drafter was picked by `--drafter auto`), `say(reason)` and the target alone."""
+    from .drafters import target_record as tr
+
     drafter = None
     if drafter_path:
-        drafter = load_drafter_runtime(drafter_path, device, dtype, drafter_matmul_dtype)
+        from .drafters.config import load_config
+
+        tr.check_shapes(load_config(drafter_path), drafter_path, target_dir)
+        drafter = load_drafter_runtime(drafter_path, device, dtype, drafter_matmul_dtype, calibration_file)
     target = load_target_runtime(target_dir, device, dtype, tuple(drafter.target_layer_ids) if drafter else ())
     if drafter is not None and target.vocab_size != drafter.vocab_size:
         raise ModelLoadError(
             f"drafter vocabulary ({drafter.vocab_size}) does not match the target's ({target.vocab_size})")
+    if drafter is not None and auto and tr.fingerprint_mismatch(drafter.config, target.input_embeddings.weight):
+        if say is not None:
+            say(f"the default drafter ({Path(drafter_path).name}) was trained for another target (its embedding "
+                f"differs from {target_dir}'s)")
+        return target, None
     if drafter is not None:
+        tr.check_fingerprint(drafter.config, drafter_path, target, target_dir)
         from .drafters.checkpoint import share_target_weights
 
         share_target_weights(drafter, target.input_embeddings.weight, target.output_embeddings.weight)
     return target, drafter
 
 
-def load_sps(target_dir: str):
-    """The target's profiled SpsTable when `dspark profile` saved one beside it, else None."""
-    path = Path(target_dir) / "sps.json"
-    if not path.exists():
-        return None
+SPS_FILE = "sps.json"
+CALIBRATION_FILE = "calibration.json"  # == drafters.config.CALIBRATION_FILE
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def generated_dir(model_dir: str | Path, install: str | Path | None = None, root: str | Path | None = None) -> Path:
+    """Where what a command generates for a model (`sps.json`, a drafter's `calibration.json`) goes by default:
+    beside the model, unless it is a shipped one (under `models_dir(root)`, the checkout's `models/` or
+    `tests/fixtures/`: tracked files, or read-only in an image), then `install/NAME` (`fixtures-NAME` for a
+    fixture; `install` default `install_dir()`)."""
+    p = Path(model_dir).resolve()
+    roots = ((models_dir(root).resolve(), ""), ((SOURCE_ROOT / "models").resolve(), ""),
+             ((SOURCE_ROOT / "tests" / "fixtures").resolve(), "fixtures-"))
+    for shipped, prefix in roots:
+        if p != shipped and p.is_relative_to(shipped):
+            return Path(install or install_dir()) / (prefix + "-".join(p.relative_to(shipped).parts))
+    return p
+
+
+def find_generated(model_dir: str | Path, filename: str, install: str | Path | None = None,
+                   root: str | Path | None = None) -> Path | None:
+    """`filename` for this model: the generated one (`generated_dir`) first, else the one shipped beside it."""
+    for d in (generated_dir(model_dir, install, root), Path(model_dir)):
+        if (d / filename).is_file():
+            return d / filename
+    return None
+
+
+def load_sps(target_dir: str, install: str | Path | None = None, root: str | Path | None = None,
+             path: str | Path | None = None):
+    """(the target's profiled SpsTable, its path), or (None, None) when `dspark profile` saved none
+    (`find_generated`; `path` names the file instead)."""
+    path = Path(path) if path else find_generated(target_dir, SPS_FILE, install, root)
+    if path is None or not path.is_file():
+        return None, None
     from .cost_model import SpsTable
 
-    return SpsTable.load(path)
+    return SpsTable.load(path), path

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_cli.models import add_matmul_dtype_arg, default_target, drafter_dir, load_stack
-from dspark_core.cost_model import SpsTable
+from dspark_cli.models import add_matmul_dtype_arg, default_target, drafter_dir, load_sps, load_stack
 from dspark_core.drafters.layers import matmul_dtype_name
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.sampling import SamplingParams
@@ -90,8 +89,7 @@ def main() -> None:
     for name in ("mbpp", "livecodebench"):
         prompts += split(load_prompts(DATA / f"{name}.jsonl"), 0.2)[1][: (args.prompts + 1) // 2]
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
-    sps_path = Path(default_target()) / "sps.json"
-    sps = SpsTable.load(sps_path) if sps_path.is_file() else None  # the causal / async policies need it
+    sps, _ = load_sps(default_target())  # the causal / async policies need it (what `dspark profile` wrote)
     ar, sd = [], []
     decode(target, drafter, encode_prompt(target.tokenizer, prompts[0].text), params, args.policy, sps)  # warm-up
     for p in prompts[: args.prompts]:

@@ -72,13 +72,15 @@ def _shape(t) -> list[int]:
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 support_size: int = DEFAULT_SUPPORT_SIZE, matmul_dtype: str = "auto"):
+                 support_size: int = DEFAULT_SUPPORT_SIZE, matmul_dtype: str = "auto",
+                 calibration_file: str | Path | None = None):
     """Load a DeepSpec-format drafter folder (frozen, eval mode); raises ModelLoadError naming the path and the problem.
 
-    `matmul_dtype` (one of MATMUL_DTYPES): see `resolve_matmul_dtype`; the weights themselves stay in `dtype`."""
+    `matmul_dtype` (one of MATMUL_DTYPES): see `resolve_matmul_dtype`; the weights themselves stay in `dtype`.
+    `calibration_file`: STS temperatures from there instead of `<path>/calibration.json` (see `load_config`)."""
     path = Path(path)
     low = resolve_matmul_dtype(matmul_dtype, torch.device(device), dtype)
-    config = load_config(path)
+    config = load_config(path, calibration_file)
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         if (path / f"{WEIGHTS_FILE}.index.json").is_file():

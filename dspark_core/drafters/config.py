@@ -358,8 +358,9 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def load_config(path: str | Path) -> DrafterConfig:
-    """Read `<path>/config.json` and, if present, the `<path>/calibration.json` sidecar."""
+def load_config(path: str | Path, calibration_file: str | Path | None = None) -> DrafterConfig:
+    """Read `<path>/config.json` and, if present, the calibration sidecar: `calibration_file` when given
+    (a calibration written elsewhere, e.g. for a read-only drafter), else `<path>/calibration.json`."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"{path}: drafter checkpoint directory does not exist")
@@ -371,7 +372,7 @@ def load_config(path: str | Path) -> DrafterConfig:
         config = DrafterConfig.from_dict(data)
     except InvalidArgument as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from exc
-    calib_path = path / CALIBRATION_FILE
+    calib_path = Path(calibration_file) if calibration_file else path / CALIBRATION_FILE
     if calib_path.is_file():
         try:
             block = _read_json(calib_path)

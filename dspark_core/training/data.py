@@ -43,23 +43,30 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     dataset = p.stem
     domain = DOMAINS.get(dataset, "other")
     out = []
+    for lineno, line, row in _json_lines(p):
+        try:
+            text = row["turns"][0]
+        except (KeyError, IndexError, TypeError):
+            raise InvalidArgument(f"{p}:{lineno}", line.strip()[:60],
+                                  'must be a JSON object with a non-empty "turns" list') from None
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidArgument(f"{p}:{lineno}", text, "first turn must be a non-empty string")
+        out.append(Prompt(text, dataset, domain))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def _json_lines(p: Path):
+    """(line number, line, parsed object or None) for every non-blank line of a JSONL file."""
     with p.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                turns = row["turns"]
-                text = turns[0]
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                raise InvalidArgument(f"{p}:{lineno}", line.strip()[:60],
-                                      'must be a JSON object with a non-empty "turns" list') from None
-            if not isinstance(text, str) or not text.strip():
-                raise InvalidArgument(f"{p}:{lineno}", text, "first turn must be a non-empty string")
-            out.append(Prompt(text, dataset, domain))
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+                yield lineno, line, json.loads(line)
+            except json.JSONDecodeError:
+                yield lineno, line, None
 
 
 def is_eval(prompt: Prompt, eval_fraction: float = 0.2) -> bool:
@@ -110,6 +117,62 @@ def _read_journal(path: Path | None, header: dict) -> dict[int, Sample]:
             break
         done[r["index"]] = Sample(r["prompt_ids"], r["response_ids"], r["domain"])
     return done
+
+
+def _response_row(row: dict) -> tuple[str | None, str | None, list | None, list | None]:
+    """(prompt text, response text, prompt ids, response ids) of one `--responses` line; see load_responses."""
+    if isinstance(row.get("messages"), list):
+        msgs = [m for m in row["messages"] if isinstance(m, dict)]
+        user = next((m.get("content") for m in msgs if m.get("role") == "user"), None)
+        reply = next((m.get("content") for m in msgs if m.get("role") == "assistant"), None)
+        return user, reply, None, None
+    return row.get("prompt"), row.get("response"), row.get("prompt_ids"), row.get("response_ids")
+
+
+def load_responses(path: str | Path, tokenizer, eos_token_ids=(), max_length: int | None = None,
+                   eval_fraction: float = 0.2) -> tuple[list[Sample], int, int]:
+    """Training sequences from responses generated elsewhere (e.g. by vLLM serving the target), one JSON
+    object per line in one of three shapes:
+
+        {"prompt": "user message", "response": "the target's answer"}          (text; chat template applied)
+        {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}
+        {"prompt_ids": [...], "response_ids": [...]}                           (token ids, used as given)
+
+    A text prompt is encoded as `dspark generate` does (the chat template with the generation prompt), the
+    response with the tokenizer and the target's first EOS id appended (servers strip it; the drafter should
+    learn where answers end). Text prompts in the held-out split (`is_eval`, by the prompt's text) are skipped
+    so that `dspark eval` / `calibrate` stay out of sample; sequences longer than `max_length` are skipped.
+    Returns (samples, held-out skipped, too long skipped). Errors name the file and line."""
+    from ..text import encode_prompt
+
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidArgument("--responses", str(path), "must be an existing JSONL file")
+    samples, held, long_ = [], 0, 0
+    eos = list(eos_token_ids[:1])
+    for lineno, line, row in _json_lines(p):
+        if not isinstance(row, dict):
+            raise InvalidArgument(f"{p}:{lineno}", line.strip()[:60], "must be a JSON object")
+        text, reply, pids, rids = _response_row(row)
+        if isinstance(text, str) and isinstance(reply, str) and text.strip() and reply:
+            if tokenizer is None:
+                raise InvalidArgument(f"{p}:{lineno}", text[:40], "is text, and the target has no tokenizer: "
+                                                                   "give prompt_ids / response_ids")
+            if is_eval(Prompt(text, p.stem, "other"), eval_fraction):
+                held += 1
+                continue
+            pids = encode_prompt(tokenizer, text)
+            rids = list(tokenizer.encode(reply, add_special_tokens=False)) + eos
+        elif not (isinstance(pids, list) and isinstance(rids, list) and pids and rids
+                  and all(isinstance(i, int) and not isinstance(i, bool) for i in pids + rids)):
+            raise InvalidArgument(f"{p}:{lineno}", line.strip()[:60],
+                                  'must hold "prompt" + "response" strings, "messages" with a user and an '
+                                  'assistant turn, or non-empty "prompt_ids" + "response_ids" integer lists')
+        if max_length is not None and len(pids) + len(rids) > max_length:
+            long_ += 1
+            continue
+        samples.append(Sample(list(pids), list(rids), DOMAINS.get(p.stem, "other")))
+    return samples, held, long_
 
 
 def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, temperature: float = 1.0,

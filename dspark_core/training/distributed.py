@@ -34,7 +34,7 @@ class DistConfig:
     local_rank: int = 0
     # e.g. "tcp://127.0.0.1:29500"; required when world_size > 1
     init_method: str | None = None
-    # auto (cuda when available), cpu, cuda
+    # auto (cuda when available), cpu, cuda (GPU LOCAL_RANK), cuda:N (one process on GPU N)
     device: str = "auto"
     timeout_s: float = 1800.0
 
@@ -47,8 +47,17 @@ class DistConfig:
             raise InvalidArgument("rank", self.rank, f"must be < world_size ({self.world_size})")
         if self.world_size > 1 and not self.init_method:
             raise InvalidArgument("init_method", self.init_method, "is required when world_size > 1")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise InvalidArgument("device", self.device, "must be auto, cpu or cuda")
+        if self.device not in ("auto", "cpu", "cuda") and _cuda_index(self.device) is None:
+            raise InvalidArgument("device", self.device, "must be auto, cpu, cuda or cuda:N")
+        if _cuda_index(self.device) is not None and self.world_size > 1:
+            raise InvalidArgument("device", self.device, "must be auto or cuda under torchrun (each rank takes GPU "
+                                                         "LOCAL_RANK); cuda:N is for one process")
+
+
+def _cuda_index(device: str) -> int | None:
+    """N of "cuda:N", else None."""
+    kind, _, index = device.partition(":")
+    return int(index) if kind == "cuda" and index.isdigit() else None
 
 
 class DistContext:
@@ -102,11 +111,14 @@ def init_distributed(config: DistConfig) -> DistContext:
     """Pick the device and, for world_size > 1, join the process group (NCCL on CUDA, gloo on CPU)."""
     import datetime
 
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    index = _cuda_index(config.device)
+    use_cuda = config.device == "cuda" or index is not None or (config.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
             raise InvalidArgument("device", config.device, "needs a CUDA GPU, and none is available")
-        device = torch.device("cuda", config.local_rank % torch.cuda.device_count())
+        if index is not None and index >= torch.cuda.device_count():
+            raise InvalidArgument("device", config.device, f"must name one of the {torch.cuda.device_count()} GPUs")
+        device = torch.device("cuda", index if index is not None else config.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -8,7 +8,8 @@
    T > 0 data.distill seeds requests by their index within a rank, so the sampled responses depend on
    the world size), rank 0 prints the estimated cache size (cache.estimate_cache_bytes)
    and writes `samples.jsonl`, each rank caches its slice (cache.build_target_cache(rank=, world_size=)),
-   and rank 0 merges the manifests after a barrier.
+   and rank 0 merges the manifests after a barrier. With `responses` (sequences generated elsewhere,
+   `data.load_responses`) step 2 caches those instead of distilling.
 Rank 0 holds an exclusive lock on `cache_dir/.lock` from the check to the end of the build, so two jobs
 pointed at one cache directory never build into it together: the second waits (saying so), then reuses
 what the first built.
@@ -129,16 +130,30 @@ def cache_lock(cache_dir: Path, log: Callable[[str], None]) -> Iterator[None]:
 
 def prepare_target_cache(target, prompts: list[Prompt], cache_dir: str | Path, ctx, settings: DistillSettings,
                          *, rebuild: bool = False, progress: bool = True,
-                         log: Callable[[str], None] | None = None) -> TargetCache:
-    """Collective over the ranks in `ctx` (a DistContext); returns the opened cache on every rank."""
+                         log: Callable[[str], None] | None = None, responses: list[Sample] | None = None
+                         ) -> TargetCache:
+    """Collective over the ranks in `ctx` (a DistContext); returns the opened cache on every rank.
+
+    `responses`: training sequences generated elsewhere (`data.load_responses`), cached as given instead of
+    distilling `prompts` (which are then ignored)."""
     log = log if (log is not None and ctx.is_main) else (lambda _msg: None)
     cache_dir = Path(cache_dir)
     with cache_lock(cache_dir, log) if ctx.is_main else contextlib.nullcontext():
-        return _prepare(target, prompts, cache_dir, ctx, settings, rebuild, progress, log)
+        return _prepare(target, prompts, cache_dir, ctx, settings, rebuild, progress, log, responses)
 
 
-def _prepare(target, prompts, cache_dir: Path, ctx, settings, rebuild, progress, log) -> TargetCache:
-    fingerprint = source_fingerprint(target, prompts, settings)
+def _responses_fingerprint(target, responses: list[Sample], settings: DistillSettings) -> dict:
+    h = hashlib.sha256()
+    for s in responses:
+        h.update(json.dumps([s.prompt_ids, s.response_ids]).encode())
+    return {"target": target.name, "tap_layer_ids": list(target.config.tap_layer_ids),
+            "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+            "responses": len(responses), "responses_sha256": h.hexdigest(), "cache_dtype": settings.dtype}
+
+
+def _prepare(target, prompts, cache_dir: Path, ctx, settings, rebuild, progress, log, responses=None) -> TargetCache:
+    fingerprint = (source_fingerprint(target, prompts, settings) if responses is None
+                   else _responses_fingerprint(target, responses, settings))
     status = None
     if ctx.is_main:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -153,23 +168,10 @@ def _prepare(target, prompts, cache_dir: Path, ctx, settings, rebuild, progress,
         log(f"reusing target cache {cache_dir} ({cache.manifest.num_samples} sequences, "
             f"{cache.manifest.num_tokens} tokens)")
         return cache
-    if not prompts:
-        raise InvalidArgument("prompts", 0, "must hold at least one training prompt")
-    # Keep only prompts that fit (as distill would), so that sample i of rank r is prompt r + W * i and the
-    # gathered samples come back in prompt order whatever the world size.
-    limit = target.max_context - settings.max_new_tokens - 1
-    if settings.max_prompt_tokens is not None:
-        limit = min(limit, settings.max_prompt_tokens)
-    fitting = [p for p in prompts if len(encode_prompt(target.tokenizer, p.text)) <= limit]
-    mine = fitting[ctx.rank::ctx.world_size]
-    local = distill(target, mine, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                    seed=settings.seed, concurrency=settings.concurrency, max_prompt_tokens=limit,
-                    progress=progress and ctx.is_main, index_base=ctx.rank, index_stride=ctx.world_size,
-                    journal=cache_dir / JOURNAL.format(rank=ctx.rank))
-    assert len(local) == len(mine), "distill skipped a prompt that fits"
-    gathered = ctx.all_gather_object([(s.prompt_ids, s.response_ids, s.domain) for s in local])
-    order = [(i * ctx.world_size + r, item) for r, part in enumerate(gathered) for i, item in enumerate(part)]
-    samples = [Sample(list(p), list(resp), d) for _, (p, resp, d) in sorted(order, key=lambda x: x[0])]
+    if responses is not None:
+        samples = list(responses)
+    else:
+        samples = _distill_all(target, prompts, cache_dir, ctx, settings, progress)
     if not samples:
         raise InvalidArgument("prompts", len(prompts), "produced no training sequence (all too long for the target?)")
     num_tokens = sum(len(s.input_ids) for s in samples)
@@ -191,3 +193,25 @@ def _prepare(target, prompts, cache_dir: Path, ctx, settings, rebuild, progress,
     ctx.barrier()
     (cache_dir / JOURNAL.format(rank=ctx.rank)).unlink(missing_ok=True)  # the cache is complete
     return TargetCache(cache_dir)
+
+
+def _distill_all(target, prompts, cache_dir: Path, ctx, settings, progress) -> list[Sample]:
+    """The target's answers to every prompt that fits, distilled over the ranks, in prompt order (resumable:
+    each rank journals what it distilled in `cache_dir`)."""
+    if not prompts:
+        raise InvalidArgument("prompts", 0, "must hold at least one training prompt")
+    # Keep only prompts that fit (as distill would), so that sample i of rank r is prompt r + W * i and the
+    # gathered samples come back in prompt order whatever the world size.
+    limit = target.max_context - settings.max_new_tokens - 1
+    if settings.max_prompt_tokens is not None:
+        limit = min(limit, settings.max_prompt_tokens)
+    fitting = [p for p in prompts if len(encode_prompt(target.tokenizer, p.text)) <= limit]
+    mine = fitting[ctx.rank::ctx.world_size]
+    local = distill(target, mine, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                    seed=settings.seed, concurrency=settings.concurrency, max_prompt_tokens=limit,
+                    progress=progress and ctx.is_main, index_base=ctx.rank, index_stride=ctx.world_size,
+                    journal=cache_dir / JOURNAL.format(rank=ctx.rank))
+    assert len(local) == len(mine), "distill skipped a prompt that fits"
+    gathered = ctx.all_gather_object([(s.prompt_ids, s.response_ids, s.domain) for s in local])
+    order = [(i * ctx.world_size + r, item) for r, part in enumerate(gathered) for i, item in enumerate(part)]
+    return [Sample(list(p), list(resp), d) for _, (p, resp, d) in sorted(order, key=lambda x: x[0])]

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE
 from dspark_core.drafters.checkpoint import WEIGHTS_FILE, build_drafter, load_drafter, save_drafter
 from dspark_core.drafters.config import ARCH_DSPARK, ARCH_EAGLE3, DrafterConfig, load_config
+from dspark_core.drafters.target_record import RECORD_KEY, target_record
 from dspark_core.errors import InvalidArgument
 from dspark_core.training import losses as L
 from dspark_core.training.distributed import (WRAP_FSDP, DistContext, EpochSampler, clip_grad_norm, full_state,
@@ -198,7 +199,8 @@ def drafter_config_for_target(target, config: TrainConfig) -> DrafterConfig:
         head_dim=getattr(hf, "head_dim", None) or h // heads, target_layer_ids=tuple(taps),
         num_target_layers=target.num_layers, rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
         rope_theta=float(theta), max_position_embeddings=target.max_context,
-        extra={"model_type": "qwen3", "target_model_name_or_path": str(target.config.model_dir)},
+        extra={"model_type": "qwen3", "target_model_name_or_path": str(target.config.model_dir),
+               RECORD_KEY: target_record(target, taps)},
     )
     if config.kind == "eagle3":
         return DrafterConfig(architecture=ARCH_EAGLE3, num_hidden_layers=1, ttt_length=config.block_size,

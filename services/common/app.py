@@ -6,9 +6,13 @@ for SIGTERM and drains). Knows nothing about models.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger("dspark.app")
 
 
 def default_pod_id(kind: str, port: int) -> str:
@@ -28,8 +32,12 @@ class ServingApp:
     """
 
     async def start(self):
-        """Serve (health NOT_SERVING), load and warm up, then report SERVING."""
+        """Serve (health NOT_SERVING), say whether Redis answers, load and warm up, then report SERVING."""
         await self.start_server()
+        registry = getattr(self, "registry", None)
+        if registry is not None and not await asyncio.to_thread(registry.ping):
+            log.warning("redis is unreachable at start-up: coordination is off until it answers",
+                        extra={"url": registry.config.url})
         await self.load()
         return self
 

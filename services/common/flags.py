@@ -11,6 +11,10 @@ import asyncio
 import os
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
 def env(name: str, default=None):
     return os.environ.get(f"DSPARK_{name}", default)
 
@@ -28,19 +32,113 @@ def add_common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--id", default=env("ID", os.environ.get("POD_NAME")), help="replica id (default POD_NAME)")
     p.add_argument("--drain-seconds", type=float, default=float(env("DRAIN_SECONDS", 30)),
                    help="seconds in-flight calls get on SIGTERM (default 30)")
-    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), metavar="LEVEL",
+                   help=f"log level: {', '.join(LOG_LEVELS)} (default INFO)")
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=env("DEVICE", "auto"), help="auto, cpu, cuda, cuda:N (default auto)")
-    p.add_argument("--dtype", default=env("DTYPE", "auto"), help="auto, float32, bfloat16, float16 (default auto)")
+    add_device_args(p, env("DEVICE", "auto"), env("DTYPE", "auto"))
+
+
+# -- flags the services share with the `dspark` commands (dspark_cli.options re-exports them): the same name,
+# choices and help for the same thing everywhere
+
+DEVICE_HELP = "auto, cpu, cuda, cuda:N (default %(default)s)"
+DTYPE_HELP = "auto, float32, bfloat16, float16 (default %(default)s)"
+
+
+def add_device_args(p, device: str = "auto", dtype: str = "auto") -> None:
+    p.add_argument("--device", default=device, help=DEVICE_HELP)
+    p.add_argument("--dtype", default=dtype, help=DTYPE_HELP)
+
+
+def add_target_arg(p, default: str | None = None) -> None:
+    p.add_argument("--target", default=default,
+                   help="target: tiny (the bundled 7M model, default), smollm2, or a Hugging Face model directory")
+
+
+def policy_name(text: str) -> str:
+    """A policy's registered name (aliases resolved), for argparse `type=`."""
+    from dspark_core.scheduling import POLICY_ALIASES, POLICY_NAMES
+
+    name = POLICY_ALIASES.get(text, text)
+    if name not in POLICY_NAMES:
+        aliases = ", ".join(f"{a} = {n}" for a, n in POLICY_ALIASES.items())
+        raise argparse.ArgumentTypeError(f"invalid policy {text!r} (choose from {', '.join(POLICY_NAMES)}; "
+                                         f"alias: {aliases})")
+    return name
+
+
+def add_policy_arg(p, default: str = "fixed") -> None:
+    from dspark_core.scheduling import POLICY_NAMES
+
+    p.add_argument("--policy", type=policy_name, default=default, metavar="POLICY",
+                   help=f"verification-length policy: {', '.join(POLICY_NAMES)} (async_topk = async; causal and "
+                        "async read the target's sps.json cost table) (default %(default)s)")
+
+
+def add_matmul_dtype_arg(p, default: str = "auto") -> None:
+    """`--drafter-matmul-dtype`, and `--matmul-dtype` as a hidden alias (the drafter service's old name)."""
+    from dspark_core.stack import MATMUL_DTYPES
+
+    p.add_argument("--drafter-matmul-dtype", default=default, choices=MATMUL_DTYPES,
+                   help="drafter matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16, else the drafter "
+                        "dtype), float32 (exact), bfloat16, int8 (default %(default)s)")
+    p.add_argument("--matmul-dtype", dest="drafter_matmul_dtype", choices=MATMUL_DTYPES, help=argparse.SUPPRESS)
+
+
+def install_dir() -> str:
+    """`$DSPARK_HOME/models` (what `dspark profile` / `calibrate` generated for shipped models lives there)."""
+    from dspark_core.stack import install_dir as root
+
+    return str(root(env("HOME")))
+
+
+def find_generated(model_dir: str, filename: str) -> str | None:
+    """`dspark_core.stack.find_generated` with this process's directories ($DSPARK_HOME, $DSPARK_MODELS_DIR)."""
+    from dspark_core.stack import find_generated as find
+
+    found = find(model_dir, filename, install_dir(), env("MODELS_DIR"))
+    return str(found) if found else None
+
+
+def add_sps_profile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sps-profile-seconds", type=float, default=float(env("SPS_PROFILE_SECONDS", 30)),
+                   help="when the target has no sps.json cost table: seconds to spend profiling a quick one at "
+                        "start-up, so that the causal / async policies can run; 0 = do not (they run as fixed) "
+                        "(default 30)")
+
+
+def check_common(args) -> None:
+    """The shared flags' values, checked before anything starts: InvalidArgument naming the flag and value."""
+    from dspark_core.errors import InvalidArgument
+
+    if str(args.log_level).upper() not in LOG_LEVELS:
+        raise InvalidArgument("--log-level", args.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
+    if args.redis_url is not None and not str(args.redis_url).startswith(REDIS_SCHEMES):
+        raise InvalidArgument("--redis-url", args.redis_url,
+                              f"must start with {', '.join(REDIS_SCHEMES)} (e.g. redis://localhost:6379/0)")
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port),
+                       ("--http-port", getattr(args, "http_port", None))):
+        if port is not None and not 0 <= int(port) <= 65535:
+            raise InvalidArgument(flag, port, "must be in [0, 65535]")
+    if args.metrics_port and int(args.metrics_port) == int(args.port):
+        raise InvalidArgument("--metrics-port", args.metrics_port, "must differ from --port")
 
 
 def start_observability(service: str, args) -> None:
+    """Check the shared flags, then logging, the /metrics server (its port checked free) and tracing."""
     from .logs import setup_logging
     from .metrics import start_metrics_server
+    from .server import check_port_free
     from .tracing import setup_tracing
 
+    check_common(args)
+    if args.metrics_port:
+        check_port_free("--metrics-port", "0.0.0.0", args.metrics_port)
+    if getattr(args, "http_port", None) is not None:  # bound after the model loads: refuse a held one now
+        check_port_free("--http-port", args.host, int(args.http_port))
+    check_port_free("--port", args.host, args.port)
     setup_logging(service, args.log_level)
     if args.metrics_port:
         start_metrics_server(args.metrics_port)
@@ -51,16 +149,46 @@ def start_observability(service: str, args) -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def run_app(app_factory) -> int:
-    """Start an app, serve until SIGTERM / SIGINT, drain, exit 0."""
+def service_main(prog: str, description: str, add_args, run, argv=None) -> int:
+    """A service's own entry point (`python -m services.X.main`): the same one-line errors and exit code 2 as
+    `dspark serve X`."""
+    import sys
+
+    from dspark_core.errors import DSparkError
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_args(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except DSparkError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run_app(app_factory, *more_factories) -> int:
+    """Start an app (or several in one process, e.g. a verifier with its drafter beside it: each binds its own
+    port and publishes itself), serve until SIGTERM / SIGINT, drain them all, exit 0."""
     async def go():
-        app = app_factory()
+        apps = []
         try:
-            await app.start()
+            for factory in (app_factory, *more_factories):
+                apps.append(factory())
+                await apps[-1].start()
         except BaseException:
-            await app.stop(0)  # close the half-started server on this loop, then report the error
+            for app in apps:
+                await app.stop(0)  # close the half-started servers on this loop, then report the error
             raise
-        await app.run_forever()
+        if len(apps) == 1:
+            await apps[0].run_forever()
+            return
+        import signal
+
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await asyncio.gather(*(app.stop(app.config.server.drain_seconds) for app in apps))
 
     asyncio.run(go())
     return 0

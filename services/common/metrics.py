@@ -52,7 +52,12 @@ VERIFIER_EXPIRED = Counter("dspark_verifier_expired_requests",
 
 
 def start_metrics_server(port: int) -> None:
-    start_http_server(port)
+    from dspark_core.errors import InvalidArgument
+
+    try:
+        start_http_server(port)
+    except OSError as exc:
+        raise InvalidArgument("--metrics-port", port, f"must be a port free to bind ({exc.strerror or exc})") from None
 
 
 def render() -> bytes:

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
+from dspark_core.errors import InvalidArgument
+
 from . import metrics
 
 log = logging.getLogger("dspark.registry")
@@ -42,9 +44,9 @@ class RegistryConfig:
 
     def __post_init__(self):
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis url must start with redis://, rediss:// or unix://; got {self.url!r}")
+            raise InvalidArgument("--redis-url", self.url, "must start with redis://, rediss:// or unix://")
         if self.pod_ttl_s <= 0:
-            raise ValueError(f"pod_ttl_s must be > 0; got {self.pod_ttl_s}")
+            raise InvalidArgument("pod_ttl_s", self.pod_ttl_s, "must be > 0")
 
 
 @dataclass
@@ -76,6 +78,18 @@ class Registry:
                                           socket_connect_timeout=config.timeout_s, decode_responses=True)
         self.up = True
         self._last_pods: dict[str, list[PodRecord]] = {}
+        self._checked = 0.0
+
+    def ping(self) -> bool:
+        """Whether Redis answers now (a warning line when it stops answering, an info line when it is back)."""
+        self._checked = time.monotonic()
+        return bool(self._call("ping", self.redis.ping, False))
+
+    def check(self, max_age_s: float = 2.0) -> bool:
+        """`up`, refreshed by a ping when the last check is older than `max_age_s` (for readiness)."""
+        if time.monotonic() - self._checked > max_age_s:
+            self.ping()
+        return self.up
 
     def _ok(self) -> None:
         if not self.up:

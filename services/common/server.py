@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dspark_core.errors import InvalidArgument
+
 from .errors import ErrorInterceptor, Unavailable
 from .tracing import TracingInterceptor
 
@@ -27,6 +29,30 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# servers bind their port exclusively: without this a second server on a held port shares it (SO_REUSEPORT)
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+def check_port_free(flag: str, host: str, port: int) -> None:
+    """Refuse a port another socket holds (InvalidArgument naming the flag) before anything binds it, so that
+    the failure is one line of ours, not a traceback or a second server sharing the port. Port 0 is free."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidArgument("--host", host, f"must be an address this machine can bind ({exc.strerror})") from None
+    for family, kind, proto, _, addr in infos[:1]:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                why = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+                raise InvalidArgument(flag, port, f"must be a port free to bind on {host} ({why})") from None
 
 
 @dataclass(frozen=True)
@@ -38,9 +64,9 @@ class ServerConfig:
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535]; got {self.port}")
-        if self.drain_seconds < 0:
-            raise ValueError(f"drain_seconds must be >= 0; got {self.drain_seconds}")
+            raise InvalidArgument("--port", self.port, "must be in [0, 65535]")
+        if not self.drain_seconds >= 0:
+            raise InvalidArgument("--drain-seconds", self.drain_seconds, "must be >= 0")
 
 
 class _InFlight(grpc.aio.ServerInterceptor):
@@ -93,15 +119,19 @@ class GrpcService:
         self.draining = False
         self.in_flight = 0
         # order: error mapping outermost so that Unavailable from the drain gate is mapped too
+        check_port_free("--port", config.host, config.port)
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(), _InFlight(self), TracingInterceptor()], options=CHANNEL_OPTIONS)
+            interceptors=[ErrorInterceptor(), _InFlight(self), TracingInterceptor()], options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError:  # grpc's "Failed to bind": lost a race with another socket since the check
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind port {config.port} on {config.host}")
+            raise InvalidArgument("--port", config.port, f"must be a port free to bind on {config.host}")
 
     async def _set_all(self, status) -> None:
         for name in ("", *self.service_names):

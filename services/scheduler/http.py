@@ -10,6 +10,7 @@ a stream holds back a tail that could still grow into one). Errors: bad input 40
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -169,10 +170,19 @@ class StopText:
         return delta
 
 
-def make_app(f: Frontend, is_serving) -> web.Application:
+def make_app(f: Frontend, is_serving, redis_up=None) -> web.Application:
+    """`redis_up()` (blocking; None: no Redis configured) says whether Redis answers: /health then reports
+    `"redis": "up" | "unreachable"`, and `"status": "degraded"` (still 200: requests are served, coordination
+    is off) while it does not."""
     async def health(request):
         ok = is_serving() and not f.draining
-        return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+        body = {"status": "ok" if ok else "unavailable"}
+        if redis_up is not None:
+            up = await asyncio.to_thread(redis_up)
+            body["redis"] = "up" if up else "unreachable"
+            if ok and not up:
+                body["status"] = "degraded"
+        return web.json_response(body, status=200 if ok else 503)
 
     async def prom(request):
         return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
@@ -280,11 +290,16 @@ def make_app(f: Frontend, is_serving) -> web.Application:
     return app
 
 
-async def start_http(f: Frontend, host: str, port: int, is_serving):
-    runner = web.AppRunner(make_app(f, is_serving), access_log=None)
+async def start_http(f: Frontend, host: str, port: int, is_serving, redis_up=None):
+    runner = web.AppRunner(make_app(f, is_serving, redis_up), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise InvalidArgument("--http-port", port, f"must be a port free to bind on {host} ({exc.strerror or exc})") \
+            from None
     bound = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else port
     log.info("http listening", extra={"port": bound})
     return runner, bound

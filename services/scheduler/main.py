@@ -13,14 +13,17 @@ def _addresses(text: str | None) -> tuple[str, ...]:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from ..common import flags
 
-    p.add_argument("--policy", default=flags.env("POLICY", "fixed"),
-                   help="verification-length policy: fixed, causal, async_topk, threshold, gamma1, ar (default fixed)")
+    flags.add_policy_arg(p, flags.env("POLICY", "fixed"))
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--max-active", type=int, default=int(flags.env("MAX_ACTIVE", 64)),
                    help="requests verified together at most (default 64)")
     p.add_argument("--max-waiting", type=int, default=int(flags.env("MAX_WAITING", 256)),
                    help="requests queued at most before RESOURCE_EXHAUSTED (default 256)")
-    p.add_argument("--default-max-new-tokens", type=int, default=128)
+    p.add_argument("--default-max-new-tokens", type=int, default=int(flags.env("DEFAULT_MAX_NEW_TOKENS", 128)),
+                   help="tokens a request without max_new_tokens / max_tokens generates at most (default 128)")
+    p.add_argument("--served-model-name", default=flags.env("SERVED_MODEL_NAME"),
+                   help="the model name clients see (/v1/models, ListModels, the `model` field of responses) and "
+                        "may ask for (default: the target directory's name)")
     p.add_argument("--http-port", type=int, default=flags.env("HTTP_PORT"),
                    help="OpenAI-compatible HTTP port (default off)")
 
@@ -34,11 +37,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated host:port of verifiers (in addition to those found in Redis)")
     p.add_argument("--drafter-addresses", default=flags.env("DRAFTER_ADDRESSES"),
                    help="comma-separated host:port of drafters (in addition to those found in Redis)")
-    p.add_argument("--no-drafter", action="store_true", help="autoregressive decoding, no drafter")
+    p.add_argument("--drafter", default=flags.env("DRAFTER", "auto"), choices=("auto", "none"),
+                   help="auto: draft with the drafter pods when any is found at start (static or in Redis); "
+                        "none: autoregressive (default %(default)s)")
+    p.add_argument("--no-drafter", dest="drafter", action="store_const", const="none", help=argparse.SUPPRESS)
     p.add_argument("--target", default=flags.env("TARGET"),
                    help="target model directory, for its tokenizer only (text prompts)")
     p.add_argument("--tokenizer", default=flags.env("TOKENIZER"), help="tokenizer directory (default --target)")
-    p.add_argument("--startup-wait", type=float, default=120.0, help="seconds to wait for pods at start")
+    p.add_argument("--startup-wait", type=float, default=120.0,
+                   help="seconds to wait at start for a verifier (and a drafter, when one is expected) (default 120)")
     p.add_argument("--autoscale", action="store_true",
                    help="scale the pool Deployments itself (settings in DSPARK_AUTOSCALE_POOLS, namespace POD_NAMESPACE)")
     p.add_argument("--device", default="auto", help=argparse.SUPPRESS)
@@ -62,19 +69,19 @@ def run(args) -> int:
     cfg = SchedulerConfig(
         server=ServerConfig(args.port, args.host, args.drain_seconds),
         verifier_addresses=_addresses(args.verifier_addresses), drafter_addresses=_addresses(args.drafter_addresses),
-        redis_url=args.redis_url, use_drafter=False if args.no_drafter else None,
+        redis_url=args.redis_url, use_drafter=False if args.drafter == "none" else None,
         tokenizer_dir=args.tokenizer or args.target, policy=args.policy, block_size=args.block_size,
         max_active=args.max_active, max_waiting=args.max_waiting, default_max_new_tokens=args.default_max_new_tokens,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
-        startup_wait_s=args.startup_wait, autoscale_pools=pools,
+        startup_wait_s=args.startup_wait, autoscale_pools=pools, served_model_name=args.served_model_name,
         namespace=os.environ.get("POD_NAMESPACE", "default"))
     return flags.run_app(lambda: SchedulerApp(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dspark-scheduler", description="DSpark scheduler service")
-    add_args(p)
-    return run(p.parse_args(argv))
+    from ..common import flags
+
+    return flags.service_main("dspark-scheduler", "DSpark scheduler service", add_args, run, argv)
 
 
 if __name__ == "__main__":

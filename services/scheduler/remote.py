@@ -306,6 +306,8 @@ class RemoteDrafter:
         self.support_size = int(info.max_support_size)
         self.has_confidence = bool(info.has_confidence_head)
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        # what the drafter was trained for (0 / "": not reported)
+        self.target_hidden_size, self.target_model_name = int(info.target_hidden_size), info.target_model_name
 
     @classmethod
     def connect(cls, pool: PodPool, verifier: RemoteVerifier, hidden_size: int, vocab_size: int,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
+from dspark_core.scheduling import policy_spec
 from dspark_protos.dspark.v1 import (drafter_service_pb2_grpc, scheduler_service_pb2, scheduler_service_pb2_grpc,
                                      verifier_service_pb2_grpc)
 
@@ -43,8 +44,18 @@ class SchedulerConfig:
     # embedded mode (`dspark serve all`): the models run in this process
     embedded_target: str | None = None
     embedded_drafter: str | None = None
+    # the drafter was picked by `--drafter auto`: beside a target it was not trained for, serve without it
+    embedded_drafter_auto: bool = False
+    embedded_matmul_dtype: str = "auto"
+    # what `dspark profile` / `calibrate` generated for the embedded models, when not beside them
+    embedded_sps_file: str | None = None
+    embedded_calibration_file: str | None = None
+    # the model name clients see and ask for; None: the target's name
+    served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    # embedded, no sps.json for the target: seconds to spend profiling a quick cost table at start-up
+    profile_budget_s: float = 30.0
     policy: str = "fixed"
     block_size: int | None = None
     max_active: int = 64
@@ -112,22 +123,39 @@ class SchedulerApp(ServingApp):
         self.http_port: int | None = None
 
     # -- engine construction (blocking; runs in a worker thread)
-    def _engine_config(self, has_drafter: bool) -> EngineConfig:
+    def _engine_config(self, has_drafter: bool, has_sps: bool = True) -> EngineConfig:
         c = self.config
-        return EngineConfig(policy=c.policy if has_drafter else "ar", block_size=c.block_size,
-                            max_active=c.max_active, max_waiting=c.max_waiting)
+        policy = c.policy if has_drafter else "ar"
+        if policy_spec(policy).needs_sps and not has_sps:
+            log.warning("policy needs the target's SPS cost table and the verifier has none: running as fixed "
+                        "until one exists (profile one with `dspark profile`, or let the verifier profile at "
+                        "start-up: --sps-profile-seconds > 0)", extra={"policy": policy})
+            policy = "fixed"
+        return EngineConfig(policy=policy, block_size=c.block_size, max_active=c.max_active,
+                            max_waiting=c.max_waiting)
 
     def _build_embedded(self) -> _Stack:
         from dspark_core.sampling import SamplingParams
-        from dspark_core.stack import load_sps, load_stack
+        from dspark_core.stack import load_stack
+
+        from ..verifier.server import startup_sps
 
         c = self.config
-        target, drafter = load_stack(c.embedded_target, c.embedded_drafter, c.device, c.dtype)
-        ecfg = self._engine_config(drafter is not None)
-        sps = load_sps(c.embedded_target)
+
+        def no_drafter(why: str) -> None:
+            log.warning(why + "; serving without a drafter", extra={"drafter": c.embedded_drafter})
+
+        target, drafter = load_stack(c.embedded_target, c.embedded_drafter, c.device, c.dtype,
+                                     c.embedded_matmul_dtype, auto=c.embedded_drafter_auto, say=no_drafter,
+                                     calibration_file=c.embedded_calibration_file)
+        sps = None
+        if drafter is not None and policy_spec(c.policy).needs_sps:
+            sps = startup_sps(target, c.embedded_target, c.profile_budget_s, c.embedded_sps_file)
+        ecfg = self._engine_config(drafter is not None, sps is not None)
         # warm-up on an engine of its own, so that the served one starts with no history
         Engine(target, drafter, ecfg, sps=sps).generate([0, 1, 2], SamplingParams(temperature=0, max_new_tokens=2))
-        card = ModelCard(target.name, target.vocab_size, target.max_context, getattr(drafter, "name", None),
+        card = ModelCard(c.served_model_name or target.name, target.vocab_size, target.max_context,
+                         getattr(drafter, "name", None),
                          ecfg.policy, target.eos_token_ids, c.default_max_new_tokens)
         return _Stack(target, drafter, ecfg, sps, None, card, target.tokenizer)
 
@@ -162,12 +190,20 @@ class SchedulerApp(ServingApp):
                 time.sleep(0.2)
                 if self.registry:
                     self.drafters.refresh()
+        if drafter is not None and drafter.target_hidden_size and drafter.target_hidden_size != info.hidden_size:
+            from dspark_core.errors import ModelLoadError
+
+            raise ModelLoadError(
+                f"drafter pods ({drafter.name}) were trained for target '{drafter.target_model_name}' (hidden "
+                f"{drafter.target_hidden_size}), not for the verifiers' '{info.name}' (hidden {info.hidden_size}): "
+                "deploy a drafter trained for this target, or serve without drafters (--drafter none)")
         if drafter is not None and tuple(drafter.target_layer_ids) != tuple(info.tap_layer_ids):
             raise InvalidArgument("tap_layer_ids", info.tap_layer_ids,
                                   f"of the verifier must equal the drafter's target_layer_ids {drafter.target_layer_ids}")
-        ecfg = self._engine_config(drafter is not None)
+        ecfg = self._engine_config(drafter is not None, bool(info.sps_points))
         tokenizer = load_tokenizer(c.tokenizer_dir) if c.tokenizer_dir else None
-        card = ModelCard(info.name, info.vocab_size, info.max_context, getattr(drafter, "name", None), ecfg.policy,
+        card = ModelCard(c.served_model_name or info.name, info.vocab_size, info.max_context,
+                         getattr(drafter, "name", None), ecfg.policy,
                          info.eos_token_ids, c.default_max_new_tokens)
         self.remote_verifier = rv
         return _Stack(info, drafter, ecfg, _sps_from_points(info.sps_points), rv, card, tokenizer)
@@ -227,7 +263,8 @@ class SchedulerApp(ServingApp):
             from .http import start_http
 
             self.http, self.http_port = await start_http(self.frontend, c.http_host, c.http_port,
-                                                         lambda: not self.grpc.draining)
+                                                         lambda: not self.grpc.draining,
+                                                         self.registry.check if self.registry else None)
         await self.grpc.set_serving()
         log.info("scheduler ready", extra={"id": self.id, "port": self.port, "http_port": self.http_port,
                                            "model": card.name, "drafter": card.drafter, "policy": card.policy})

@@ -11,7 +11,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     flags.add_common(p, 50052)
     flags.add_model(p)
-    p.add_argument("--target", default=flags.env("TARGET"), help="target: tiny (the bundled 7M model, default), smollm2, or a model directory")
+    flags.add_target_arg(p, flags.env("TARGET"))
     p.add_argument("--drafter-path", default=flags.env("DRAFTER_PATH"),
                    help="drafter checkpoint whose config names the target layers to tap")
     p.add_argument("--tap-layer-ids", default=flags.env("TAP_LAYER_IDS"),
@@ -21,32 +21,68 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-ttl", type=float, default=float(flags.env("IDLE_TTL", 300)),
                    help="seconds after which a request with no prefill / verify / resume is released "
                         "(its scheduler crashed); 0 = never (default 300)")
+    flags.add_sps_profile(p)
+    g = p.add_argument_group("drafter beside the verifier (one process, one GPU)")
+    g.add_argument("--drafter-port", type=int, default=flags.env("DRAFTER_PORT"),
+                   help="also serve --drafter-path's drafter on this gRPC port, in this process and on this device "
+                        "(it publishes itself in the drafter pool like a `serve drafter` pod); default off")
+    flags.add_matmul_dtype_arg(g, flags.env("DRAFTER_MATMUL_DTYPE", "auto"))
 
 
 def run(args) -> int:
-    from dspark_core.stack import resolve_target
+    from dspark_core.stack import CALIBRATION_FILE, SPS_FILE, resolve_target
 
     from ..common import flags
-    from ..common.server import ServerConfig
+    from ..common.server import ServerConfig, check_port_free
+    from ..drafter.server import DrafterApp
     from .server import VerifierApp, VerifierConfig
 
     flags.start_observability("verifier", args)
     taps = None
     if args.tap_layer_ids:
         taps = tuple(int(x) for x in args.tap_layer_ids.split(",") if x.strip())
+    target = resolve_target(args.target, flags.env("MODELS_DIR"), flags.env("HOME"))
     cfg = VerifierConfig(
-        target=resolve_target(args.target, flags.env("MODELS_DIR"), flags.env("HOME")), server=ServerConfig(args.port, args.host, args.drain_seconds),
+        target=target, server=ServerConfig(args.port, args.host, args.drain_seconds),
         device=args.device, dtype=args.dtype, tap_layer_ids=taps, drafter_path=args.drafter_path,
         redis_url=args.redis_url, verifier_id=args.id, advertise_host=args.advertise_host,
         advertise_address=args.advertise_address, max_active=args.max_active,
-        idle_ttl_s=args.idle_ttl)
-    return flags.run_app(lambda: VerifierApp(cfg))
+        idle_ttl_s=args.idle_ttl, profile_budget_s=args.sps_profile_seconds,
+        sps_file=flags.find_generated(target, SPS_FILE))
+    if args.drafter_port is None:
+        return flags.run_app(lambda: VerifierApp(cfg))
+    dcfg = colocated_drafter_config(args, flags.find_generated(args.drafter_path or "", CALIBRATION_FILE))
+    check_port_free("--drafter-port", args.host, dcfg.server.port)
+    return flags.run_app(lambda: VerifierApp(cfg), lambda: DrafterApp(dcfg))
+
+
+def colocated_drafter_config(args, calibration_file: str | None = None):
+    """The drafter app `--drafter-port` runs beside the verifier: same device, dtype, Redis and drain; its own
+    port and id, advertised on the verifier's host."""
+    from dspark_core.errors import InvalidArgument
+
+    from ..common.server import ServerConfig
+    from ..drafter.server import DrafterAppConfig
+
+    if not args.drafter_path:
+        raise InvalidArgument("--drafter-port", args.drafter_port, "needs --drafter-path (the drafter to serve)")
+    port = int(args.drafter_port)
+    if port == args.port or (args.metrics_port and port == args.metrics_port):
+        raise InvalidArgument("--drafter-port", port, "must differ from --port and --metrics-port")
+    address = None
+    if args.advertise_address:
+        address = f"{args.advertise_address.rsplit(':', 1)[0]}:{port}"
+    return DrafterAppConfig(drafter_path=args.drafter_path, server=ServerConfig(port, args.host, args.drain_seconds),
+                            device=args.device, dtype=args.dtype, matmul_dtype=args.drafter_matmul_dtype,
+                            calibration_file=calibration_file, redis_url=args.redis_url,
+                            drafter_id=f"{args.id}-drafter" if args.id else None,
+                            advertise_host=args.advertise_host, advertise_address=address)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dspark-verifier", description="DSpark verifier service")
-    add_args(p)
-    return run(p.parse_args(argv))
+    from ..common import flags
+
+    return flags.service_main("dspark-verifier", "DSpark verifier service", add_args, run, argv)
 
 
 if __name__ == "__main__":

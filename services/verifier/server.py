@@ -12,9 +12,10 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
-from dspark_core.stack import drafter_taps, load_sps, load_target_runtime
+from dspark_core.stack import SPS_FILE, load_sps, load_target_runtime
 from dspark_protos.dspark.v1 import verifier_service_pb2, verifier_service_pb2_grpc
 
 from ..common.app import PodLifecycle, advertise_address
@@ -46,12 +47,18 @@ class VerifierConfig:
     # scheduler touches its requests every round (well under a second), and one whose verifier forgot a
     # request resumes it, so the only cost of a short TTL is a Resume after a very long stall.
     idle_ttl_s: float = 300.0
+    # no sps.json for the target: seconds to spend profiling a quick cost table at start-up (0 = none)
+    profile_budget_s: float = 30.0
+    # the target's profiled table when it is not beside it (`dspark profile` wrote it to the install location)
+    sps_file: str | None = None
 
     def __post_init__(self):
         if self.max_active < 1:
             raise InvalidArgument("max_active", self.max_active, "must be >= 1")
         if not self.idle_ttl_s >= 0:
             raise InvalidArgument("idle_ttl_s", self.idle_ttl_s, "must be >= 0 (0 = never expire)")
+        if not self.profile_budget_s >= 0:
+            raise InvalidArgument("sps_profile_seconds", self.profile_budget_s, "must be >= 0 (0 = do not profile)")
         if self.heartbeat_s <= 0:
             raise InvalidArgument("heartbeat_s", self.heartbeat_s, "must be > 0")
 
@@ -60,14 +67,43 @@ def resolve_taps(cfg: VerifierConfig) -> tuple[int, ...]:
     if cfg.tap_layer_ids is not None:
         return tuple(cfg.tap_layer_ids)
     if cfg.drafter_path:
-        return drafter_taps(cfg.drafter_path)
+        from dspark_core.drafters.config import load_config
+        from dspark_core.drafters.target_record import check_shapes
+
+        config = load_config(Path(cfg.drafter_path))
+        check_shapes(config, cfg.drafter_path, cfg.target)
+        return tuple(config.target_layer_ids)
     return ()
 
 
-def load_sps_points(target_dir: str) -> list:
-    """The target's cost table as [[num_tokens, steps_per_second], ...] (what GetInfo publishes)."""
-    t = load_sps(target_dir)
-    return [] if t is None else [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
+def startup_sps(target, target_dir: str, profile_budget_s: float, sps_file: str | None = None):
+    """The target's cost table for serving: its profiled sps.json (`sps_file`, which the entry point finds with
+    `flags.find_generated`, else beside the target), else, unless `profile_budget_s` is 0, a quick table
+    measured now within that many seconds (logged). None: no table; a policy that needs one then runs as
+    fixed (the scheduler says so)."""
+    import time
+
+    table, path = load_sps(target_dir, path=sps_file or Path(target_dir) / SPS_FILE)
+    if table is not None:
+        log.info("cost table loaded", extra={"path": str(path)})
+        return table
+    if profile_budget_s <= 0:
+        log.warning("no SPS cost table for this target and --sps-profile-seconds 0: cost-table policies "
+                    "(causal, async) run as fixed", extra={"target": target_dir})
+        return None
+    from dspark_core.profiling import quick_sps_table
+
+    t0 = time.perf_counter()
+    table = quick_sps_table(target, budget_s=profile_budget_s)
+    log.warning("no SPS cost table for this target: profiled a quick one at start-up (run `dspark profile` on "
+                "this hardware for the full table)",
+                extra={"target": target_dir, "seconds": round(time.perf_counter() - t0, 2),
+                       "batch_sizes": json.dumps(list(table.batch_sizes))})
+    return table
+
+
+def sps_points(table) -> list:
+    return [] if table is None else [[b, s] for b, s in zip(table.batch_sizes, table.steps_per_second)]
 
 
 class VerifierApp(PodLifecycle):
@@ -83,11 +119,16 @@ class VerifierApp(PodLifecycle):
 
         cfg = self.config
         target = load_target_runtime(cfg.target, cfg.device, cfg.dtype, resolve_taps(cfg))
+        if cfg.drafter_path and cfg.tap_layer_ids is None:
+            from dspark_core.drafters.config import load_config
+            from dspark_core.drafters.target_record import check_fingerprint
+
+            check_fingerprint(load_config(Path(cfg.drafter_path)), cfg.drafter_path, target, cfg.target)
         verifier = Verifier(target)
         # warm-up: one real prefill + release before reporting SERVING
         verifier.prefill([PrefillItem("__warmup__", (0, 1, 2), SamplingParams(temperature=0))])
         verifier.release("__warmup__")
-        return target, verifier
+        return target, verifier, startup_sps(target, cfg.target, cfg.profile_budget_s, cfg.sps_file)
 
     def record(self) -> PodRecord:
         s = self.servicer if self.servicer.verifier is not None else None
@@ -100,8 +141,8 @@ class VerifierApp(PodLifecycle):
                 "SERVING" if s else "NOT_SERVING"), model=s.target.name if s else "")
 
     async def load(self) -> "VerifierApp":
-        target, verifier = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
-        self.servicer.attach(verifier, target, load_sps_points(self.config.target))
+        target, verifier, sps = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
+        self.servicer.attach(verifier, target, sps_points(sps))
         await self.go_live()
         if self.config.idle_ttl_s > 0:
             self._expiry = asyncio.ensure_future(self._expire_idle(self.config.idle_ttl_s))

@@ -163,7 +163,7 @@ def test_report_renders_table_and_plots(tmp_path, capsys):
 @pytest.mark.parametrize("args,needle", [
     (["eval", "--drafter", "dspark"], "--dataset"),
     (["eval", "--dataset", "a.jsonl", "--prompt-ids-file", "b.jsonl", "--drafter", "dspark"], "--dataset"),
-    (["eval", "--prompt-ids-file", "b.jsonl"], "--drafter"),
+    (["eval", "--prompt-ids-file", "b.jsonl", "--drafter", "none"], "--drafter"),  # eval measures a drafter
     (["eval", "--prompt-ids-file", "b.jsonl", "--drafter", "dspark", "--support-size", "x"], "--support-size"),
     (["eval", "--prompt-ids-file", "b.jsonl", "--drafter", "dspark", "--block-size", "40"], "--block-size"),
     (["eval", "--prompt-ids-file", "b.jsonl", "--drafter", "dspark", "--limit", "0"], "--limit"),

@@ -55,6 +55,15 @@ MATRIX: dict[str, dict] = {
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         },
     },
+    "gpu-drafter-beside-verifier": {
+        "drafter": {"besideVerifier": True},
+        "verifier": {
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "resources": {"requests": {"cpu": "4", "memory": "28Gi"},
+                          "limits": {"memory": "48Gi", "nvidia.com/gpu": 1}},
+        },
+    },
     "observability": {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
         "grafana": {"dashboard": {"enabled": True}},

@@ -23,18 +23,19 @@ SERVE: dict[str, ServeFlags] = {
     "scheduler": ServeFlags(
         required=frozenset({"--port", "--http-port", "--metrics-port", "--redis-url"}),
         # --target: the tokenizer's directory (the service has it; the brief's contract does not list it)
-        optional=frozenset({"--policy", "--target"}),
+        optional=frozenset({"--policy", "--target", "--served-model-name"}),
         switches=frozenset({"--autoscale"}),
     ),
     "verifier": ServeFlags(
         required=frozenset({"--port", "--metrics-port", "--redis-url", "--target"}),
         # --drafter-path: whose config.json names the layers to tap (the service has it; the brief does not list it)
-        optional=frozenset({"--device", "--dtype", "--drafter-path", "--idle-ttl"}),
+        optional=frozenset({"--device", "--dtype", "--drafter-path", "--idle-ttl", "--sps-profile-seconds",
+                            "--drafter-port", "--drafter-matmul-dtype"}),
     ),
     "drafter": ServeFlags(
         # the drafter checkpoint carries its own copy of the embeddings and LM head: no target needed
         required=frozenset({"--port", "--metrics-port", "--redis-url", "--drafter-path"}),
-        optional=frozenset({"--device", "--dtype", "--matmul-dtype"}),
+        optional=frozenset({"--device", "--dtype", "--drafter-matmul-dtype"}),
     ),
 }
 

@@ -189,9 +189,10 @@ def test_extra_args_and_env_are_appended(chart):
 def test_drafter_matmul_dtype_reaches_the_drafter_only(chart):
     objs = manifests(render(chart, {"drafter": {"matmulDtype": "float32"}}))
     args = main_container(deployment_of(objs, "drafter"))["args"]
-    assert args[args.index("--matmul-dtype") + 1] == "float32"
-    assert "--matmul-dtype" not in main_container(deployment_of(objs, "verifier"))["args"]
-    assert "--matmul-dtype" not in main_container(deployment_of(manifests(render(chart, {})), "drafter"))["args"]
+    assert args[args.index("--drafter-matmul-dtype") + 1] == "float32"
+    assert "--drafter-matmul-dtype" not in main_container(deployment_of(objs, "verifier"))["args"]
+    default_args = main_container(deployment_of(manifests(render(chart, {})), "drafter"))["args"]
+    assert "--drafter-matmul-dtype" not in default_args
     assert "matmulDtype" in _render_error(chart, {"drafter": {"matmulDtype": "fp8"}})
 
 
@@ -350,3 +351,27 @@ def test_notes_print_a_ready_to_paste_health_check(chart):
 ])
 def test_inconsistent_values_fail_with_a_message_naming_the_value(chart, values, message):
     assert message in _render_error(chart, values)
+
+
+def test_chart_defaults_start_on_a_model_without_sps_json(chart):
+    """policy causal needs a cost table: by default the verifier profiles one at start-up when the model has
+    none (tests/services/test_startup.py runs that start-up), so a user's own model does not crash-loop."""
+    objs = manifests(render(chart, {}))
+    sched = main_container(deployment_of(objs, "scheduler"))["args"]
+    ver = main_container(deployment_of(objs, "verifier"))["args"]
+    assert sched[sched.index("--policy") + 1] == "causal"
+    assert float(ver[ver.index("--sps-profile-seconds") + 1]) > 0
+
+
+def test_drafter_beside_the_verifier_runs_in_the_verifier_pod(chart):
+    objs = manifests(render(chart, {"drafter": {"besideVerifier": True, "matmulDtype": "float32"},
+                                    "verifier": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "40Gi"}}}}))
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    assert not any("drafter" in name for _, name in kinds), kinds  # no drafter pool at all
+    ver = main_container(deployment_of(objs, "verifier"))
+    args = ver["args"]
+    assert args[args.index("--drafter-port") + 1] == "50053"
+    assert args[args.index("--drafter-matmul-dtype") + 1] == "float32" and "--drafter-path" in args
+    assert {"name": "drafter-grpc", "containerPort": 50053, "protocol": "TCP"} in ver["ports"]
+    policy = next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("verifier"))
+    assert 50053 in {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}

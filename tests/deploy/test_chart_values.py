@@ -17,8 +17,9 @@ VALUES = yaml.safe_load(VALUES_TEXT)
 SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())
 COMPONENTS = ("scheduler", "verifier", "drafter")
 # Keys that only make sense for one component; everything else is common to the three blocks.
-OWN_KEYS = {"scheduler": {"policy", "autoscaler"}, "verifier": {"device", "dtype", "idleTtlSeconds"},
-            "drafter": {"device", "dtype", "matmulDtype"}}
+OWN_KEYS = {"scheduler": {"policy", "autoscaler", "servedModelName"},
+            "verifier": {"device", "dtype", "idleTtlSeconds", "spsProfileSeconds"},
+            "drafter": {"device", "dtype", "matmulDtype", "besideVerifier"}}
 
 
 def _lint_problems(report: dict) -> list[dict]:

@@ -60,6 +60,27 @@ def drafter_stub(app):
     return drafter_service_pb2_grpc.DrafterServiceStub(ch), ch
 
 
+def wait_serving(port: int, timeout: float = 240, proc=None) -> None:
+    """Until grpc.health on 127.0.0.1:port says SERVING (AssertionError after `timeout` s, or if `proc` exits)."""
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            assert proc is None or proc.poll() is None, "the service exited"
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise AssertionError(f"port {port} never became SERVING")
+
+
 def ids_request(ids, max_new_tokens=16, cls=types_pb2.GenerateUnaryRequest, **sampling):
     return cls(prompt_token_ids=types_pb2.TokenIds(token_ids=list(ids)),
                sampling=types_pb2.SamplingParams(max_new_tokens=max_new_tokens, **sampling))

@@ -139,8 +139,9 @@ def test_drafter_config_checks_matmul_dtype_and_the_flag_reaches_it():
         DrafterAppConfig("models/dspark", ServerConfig(0), matmul_dtype="fp8")
     p = argparse.ArgumentParser()
     add_args(p)
-    assert p.parse_args(["--matmul-dtype", "float32"]).matmul_dtype == "float32"
-    assert p.parse_args([]).matmul_dtype == "auto"
+    assert p.parse_args(["--drafter-matmul-dtype", "float32"]).drafter_matmul_dtype == "float32"
+    assert p.parse_args(["--matmul-dtype", "float32"]).drafter_matmul_dtype == "float32"  # the old name still works
+    assert p.parse_args([]).drafter_matmul_dtype == "auto"
 
 
 def test_services_import_nothing_from_the_cli():

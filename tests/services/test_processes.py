@@ -9,15 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
 
+from svc_cluster import wait_serving
 from svc_redis import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,17 +30,7 @@ def _spawn(args, log: Path):
 
 
 def _wait_serving(port: int, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise AssertionError(f"port {port} never became SERVING")
+    wait_serving(port, timeout)
 
 
 def test_sigkill_verifier_mid_generation_then_sigterm_drains(redis_server, fixtures_dir, reference, tmp_path):

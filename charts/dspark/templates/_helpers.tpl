@@ -150,3 +150,8 @@ true
 {{- end -}}
 {{- $_ := include "dspark.redisUrl" . -}}
 {{- end -}}
+
+{{/* "true" when the drafters run as their own pool (drafter.enabled, not drafter.besideVerifier), else "false". */}}
+{{- define "dspark.drafterPool" -}}
+{{- and .Values.drafter.enabled (not .Values.drafter.besideVerifier) -}}
+{{- end -}}

@@ -111,7 +111,7 @@ spec:
           args:
             {{- toYaml (concat .args $c.extraArgs) | nindent 12 }}
           ports:
-            {{- range $name, $port := $ports }}
+            {{- range $name, $port := merge (dict) $ports (.extraPorts | default dict) }}
             - name: {{ $name }}
               containerPort: {{ $port }}
               protocol: TCP
