@@ -118,16 +118,21 @@ class RequestState:
         return len(self.output_ids) / max(end - self.t_start, 1e-9)
 
     def speculative_metrics(self) -> dict:
-        """This request's speculation so far: drafts verified, drafts accepted, how many rounds accepted
-        the draft at each position (index k: position k + 1), and the mean drafts verified per round."""
-        rounds = self.num_rounds
-        longest = max(self.proposed_per_round, default=0)
-        per_position = [sum(1 for a in self.accepted_per_round if a > k) for k in range(longest)]
-        return {"num_draft_tokens": sum(self.proposed_per_round),
-                "num_accepted_tokens": sum(self.accepted_per_round),
-                "accepted_per_position": per_position,
-                "mean_verification_length": sum(self.proposed_per_round) / rounds if rounds else 0.0,
-                "num_rounds": rounds}
+        """This request's speculation so far (`speculative_metrics` of its rounds)."""
+        return speculative_metrics(self.accepted_per_round, self.proposed_per_round)
+
+
+def speculative_metrics(accepted_per_round: list[int], proposed_per_round: list[int]) -> dict:
+    """Speculation over some rounds (of one request or several): drafts verified, drafts accepted, how many
+    rounds accepted the draft at each position (index k: position k + 1), and the mean drafts verified
+    per round."""
+    rounds = len(accepted_per_round)
+    longest = max(proposed_per_round, default=0)
+    return {"num_draft_tokens": sum(proposed_per_round),
+            "num_accepted_tokens": sum(accepted_per_round),
+            "accepted_per_position": [sum(1 for a in accepted_per_round if a > k) for k in range(longest)],
+            "mean_verification_length": sum(proposed_per_round) / rounds if rounds else 0.0,
+            "num_rounds": rounds}
 
 
 @dataclass(frozen=True)

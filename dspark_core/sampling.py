@@ -257,7 +257,8 @@ def token_logprobs(
     tokens: list[int] | tuple[int, ...],
     top: int,
 ) -> list[TokenLogprob]:
-    """The log-probability of tokens[i] under row i and row i's `top` best tokens (one host transfer)."""
+    """The log-probability of tokens[i] under row i and row i's `top` best tokens with a nonzero
+    probability (one host transfer)."""
     m = len(tokens)
     if m == 0:
         return []
@@ -268,7 +269,8 @@ def token_logprobs(
         best_lp, best_ids = values.tolist(), ids.tolist()
     else:
         best_lp, best_ids = [[]] * m, [[]] * m
-    return [TokenLogprob(int(t), float(lp[0]), tuple(zip(i, v)))
+    # tokens the processing removed (-inf) are not among the likely ones, even when fewer than `top` remain
+    return [TokenLogprob(int(t), float(lp[0]), tuple((a, b) for a, b in zip(i, v) if b != -math.inf))
             for t, lp, i, v in zip(tokens, chosen.tolist(), best_ids, best_lp)]
 
 

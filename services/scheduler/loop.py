@@ -43,6 +43,8 @@ class Update:
     finish_reason: str | None = None
     summary: dict | None = None
     error: BaseException | None = None
+    # one dspark_core TokenLogprob per token of token_ids when the request asked for logprobs
+    logprobs: list | None = None
 
 
 @dataclass
@@ -227,7 +229,8 @@ class EngineLoop:
             if t is None:
                 continue
             req = self.engine.requests[ev.request_id]
-            upd = Update(ev.request_id, list(ev.new_token_ids))
+            upd = Update(ev.request_id, list(ev.new_token_ids),
+                         logprobs=None if ev.logprobs is None else list(ev.logprobs))
             self._trace_round(t, req, t_step, len(ev.new_token_ids))
             if req.num_rounds > t.rounds_seen:
                 t.rounds_seen = req.num_rounds
@@ -311,7 +314,8 @@ class EngineLoop:
                 "accepted_per_round": sum(req.accepted_per_round) / rounds if rounds else 0.0,
                 "tokens_per_round": (sum(req.accepted_per_round) + rounds) / rounds if rounds else 0.0,
                 "tokens_per_second": n / max(elapsed, 1e-9), "time_to_first_token_seconds": first,
-                "elapsed_seconds": elapsed, "token_ids": adopted + list(req.output_ids)}
+                "elapsed_seconds": elapsed, "token_ids": adopted + list(req.output_ids),
+                "speculative": req.speculative_metrics()}
 
     def _periodic(self) -> None:
         metrics.REQUESTS_RUNNING.set(len(self.engine.active))

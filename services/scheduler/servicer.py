@@ -18,7 +18,7 @@ from dspark_core.scheduling import POLICY_ALIASES
 from dspark_core.verifier import validate_prompt_ids
 from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
 
-from ..common.convert import FINISH_REASONS, params_from_proto
+from ..common.convert import FINISH_REASONS, logprobs_to_proto, params_from_proto
 from ..common.errors import Unavailable
 from ..common.tracing import tracer
 from .loop import EngineLoop, Update
@@ -162,11 +162,14 @@ def _round_proto(r: dict | None, out) -> None:
 
 
 def _summary_proto(s: dict, out) -> None:
+    spec = s["speculative"]
     out.CopyFrom(types_pb2.GenerationSummary(
         prompt_tokens=s["prompt_tokens"], completion_tokens=s["completion_tokens"], num_rounds=s["num_rounds"],
         accepted_per_round=s["accepted_per_round"], tokens_per_round=s["tokens_per_round"],
         tokens_per_second=s["tokens_per_second"], time_to_first_token_seconds=s["time_to_first_token_seconds"],
-        elapsed_seconds=s["elapsed_seconds"]))
+        elapsed_seconds=s["elapsed_seconds"], num_draft_tokens=spec["num_draft_tokens"],
+        num_accepted_tokens=spec["num_accepted_tokens"], accepted_per_position=spec["accepted_per_position"],
+        mean_verification_length=spec["mean_verification_length"]))
 
 
 class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
@@ -187,6 +190,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 chunk = types_pb2.GenerateResponse(request_id=rid, token_ids=upd.token_ids,
                                                    text_delta=detok.push(upd.token_ids, final=upd.finished))
                 _round_proto(upd.round, chunk.round)
+                logprobs_to_proto(upd.logprobs, chunk.logprobs)
                 if upd.finished:
                     finished = True
                     chunk.finish_reason = FINISH_REASONS.get(upd.finish_reason, types_pb2.FINISH_REASON_UNSPECIFIED)
@@ -199,10 +203,11 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
     async def GenerateUnary(self, request, context):
         self._ready()
         rid, ids, params = self.f.parse(request)
-        tokens, last = [], None
+        tokens, logprobs, last = [], [], None
         try:
             async for upd in self.f.run(rid, ids, params, client_id=bool(request.request_id)):
                 tokens.extend(upd.token_ids)
+                logprobs.extend(upd.logprobs or ())
                 last = upd
         finally:
             if last is None or not last.finished:
@@ -211,6 +216,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         resp = types_pb2.GenerateUnaryResponse(request_id=rid, text=text, token_ids=tokens,
                                                finish_reason=FINISH_REASONS.get(last.finish_reason, 0))
         _summary_proto(last.summary, resp.summary)
+        logprobs_to_proto(logprobs, resp.logprobs)
         return resp
 
     async def ListModels(self, request, context):
