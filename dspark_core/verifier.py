@@ -111,25 +111,35 @@ class Verifier:
             raise InvalidArgument("request_id", request_id, "is already active on this verifier")
 
     def prefill(self, items: list[PrefillItem]) -> list[StepResult]:
+        """Prefill the prompts in one batched forward. Items with the same prompt (the n choices of one
+        request) share it: the prompt runs once, the others get a copy of its KV cache, and each samples
+        its own first token from the shared last-position logits with its own generator."""
         for it in items:
             self._check_prompt(it.request_id, it.prompt_ids)
-        slots = [_Slot(self.target.new_sequence(), it.params, make_generator(it.params.seed), list(it.prompt_ids),
-                       len(it.prompt_ids)) for it in items]
+        first_of: dict[tuple[int, ...], int] = {}  # prompt -> index of the item whose forward it shares
+        unique = [first_of.setdefault(tuple(it.prompt_ids), i) == i for i, it in enumerate(items)]
+        owners = [i for i, u in enumerate(unique) if u]
+        seqs = {i: self.target.new_sequence() for i in owners}
         try:
-            out = self.target.forward([(s.seq, list(it.prompt_ids)) for s, it in zip(slots, items)],
-                                      last_logits_only=True)
+            out = self.target.forward([(seqs[i], list(items[i].prompt_ids)) for i in owners], last_logits_only=True)
+            for i, it in enumerate(items):
+                if not unique[i]:
+                    seqs[i] = self.target.fork(seqs[first_of[tuple(it.prompt_ids)]])
         except Exception:
-            for s in slots:
-                self.target.release(s.seq)
+            for seq in seqs.values():
+                self.target.release(seq)
             raise
+        row = {i: r for r, i in enumerate(owners)}
         results = []
-        for i, (it, s) in enumerate(zip(items, slots)):
+        for i, it in enumerate(items):
+            s = _Slot(seqs[i], it.params, make_generator(it.params.seed), list(it.prompt_ids), len(it.prompt_ids))
             self._slots[it.request_id] = s
+            r = row[first_of[tuple(it.prompt_ids)]]
             # the first token is a round with no drafts: exactly plain sampling, with the request's processing
-            first = verify_block(out.logits_of(i)[:1], DraftBlock(tokens=()), s.params, s.generator,
+            first = verify_block(out.logits_of(r)[:1], DraftBlock(tokens=()), s.params, s.generator,
                                  s.history(len(s.tokens)))
             s.tokens.extend(first.tokens)
-            results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, out.taps_of(i), 0,
+            results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, out.taps_of(r), 0,
                                       list(it.prompt_ids), _listed(first.logprobs)))
         return results
 
