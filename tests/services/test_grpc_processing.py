@@ -6,8 +6,10 @@ the bundled model: greedy output and logprobs equal the target's own decode with
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import grpc
 import pytest
 
 from dspark_core.engine import Engine, EngineConfig
@@ -64,14 +66,36 @@ def _check(stub, target, prompt_ids):
     assert len(long.token_ids) == NEW
 
 
-def test_embedded_grpc_serves_the_processing_and_logprobs(aio, target, prompt_ids):
+@pytest.fixture(scope="module")
+def embedded(aio):
     s = cluster.scheduler(aio, embedded_target=str(MODELS / "target"), embedded_drafter=str(MODELS / "dspark"))
-    try:
-        stub, ch = cluster.scheduler_stub(s)
-        _check(stub, target, prompt_ids)
-        ch.close()
-    finally:
-        cluster.stop(aio, s)
+    yield s
+    cluster.stop(aio, s)
+
+
+def test_embedded_grpc_serves_the_processing_and_logprobs(embedded, target, prompt_ids):
+    stub, ch = cluster.scheduler_stub(embedded)
+    _check(stub, target, prompt_ids)
+    ch.close()
+
+
+def test_dspark_client_sends_the_processing_and_prints_logprobs_and_speculation(embedded, target, prompt_ids,
+                                                                               capsys):
+    from dspark_cli.main import main
+
+    want = _reference(target, prompt_ids)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in FIELDS.items()]
+    rc = main(["client", "generate", "--address", f"127.0.0.1:{embedded.port}", "--json", "--temperature", "0",
+               "--max-new-tokens", str(NEW), "--logprobs", "2", *flags, PROMPT])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == want.output_ids
+    assert [m["token_id"] for m in out["logprobs"]] == want.output_ids
+    assert max(abs(m["logprob"] - w.logprob) for m, w in zip(out["logprobs"], want.logprobs)) < 1e-4
+    spec = out["speculative"]
+    assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    rc = main(["client", "generate", "--address", f"127.0.0.1:{embedded.port}", "--min-p", "3", PROMPT])
+    assert rc == 2 and "min_p" in capsys.readouterr().err
 
 
 def test_distributed_grpc_carries_the_processing_and_logprobs_across_services(aio, target, prompt_ids):
@@ -87,16 +111,12 @@ def test_distributed_grpc_carries_the_processing_and_logprobs_across_services(ai
         cluster.stop(aio, s, d, v)
 
 
-def test_bad_processing_values_are_invalid_argument_naming_the_field(aio):
-    s = cluster.scheduler(aio, embedded_target=str(MODELS / "target"), embedded_drafter=None)
-    try:
-        stub, ch = cluster.scheduler_stub(s)
-        for field, value in (("min_p", 2.0), ("presence_penalty", 5.0), ("logprobs", 21), ("min_tokens", 999)):
-            req = types_pb2.GenerateUnaryRequest(prompt_text=PROMPT, sampling=types_pb2.SamplingParams(
-                max_new_tokens=8, **{field: value}))
-            with pytest.raises(Exception) as err:
-                stub.GenerateUnary(req, timeout=30)
-            assert err.value.code().name == "INVALID_ARGUMENT" and f"sampling.{field}" in err.value.details()
-        ch.close()
-    finally:
-        cluster.stop(aio, s)
+def test_bad_processing_values_are_invalid_argument_naming_the_field(embedded):
+    stub, ch = cluster.scheduler_stub(embedded)
+    for field, value in (("min_p", 2.0), ("presence_penalty", 5.0), ("logprobs", 21), ("min_tokens", 999)):
+        req = types_pb2.GenerateUnaryRequest(prompt_text=PROMPT, sampling=types_pb2.SamplingParams(
+            max_new_tokens=8, **{field: value}))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GenerateUnary(req, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"sampling.{field}" in err.value.details()
+    ch.close()
