@@ -1,11 +1,15 @@
 """OpenAI-compatible HTTP on the scheduler (aiohttp): /v1/completions, /v1/chat/completions (SSE streaming
-with "stream": true), /v1/models, /health, /metrics.
+with "stream": true), /v1/models, /health, /metrics. docs/openai_api.md lists every request field.
 
 Same Frontend as the gRPC servicer, so validation, the engine path and cancellation are shared: a client
-that disconnects mid-stream cancels its request. OpenAI `stop` strings end the text before the first
-occurrence of any of them (finish_reason "stop"; the request is cancelled in the engine at that point, and
-a stream holds back a tail that could still grow into one). Errors: bad input 400, overload 429, draining
-503, with OpenAI's {"error": {...}} body. Knows nothing about Redis or pods.
+that disconnects mid-stream cancels its request. This module only parses and formats: the request's
+processing (penalties, min_p, min_tokens), its logprobs and its speculative metrics come from dspark_core.
+`n` choices are n engine requests submitted together (they share the prompt's prefill), each with a seed
+derived from the request's. OpenAI `stop` strings end the text before the first occurrence of any of them
+(finish_reason "stop"; the choice is cancelled in the engine at that point, and a stream holds back a tail
+that could still grow into one). Types are strict and unsupported fields are refused, never ignored.
+Errors: bad input 400 (naming the field), overload 429, draining 503, with OpenAI's {"error": {...}} body.
+Knows nothing about Redis or pods.
 """
 
 from __future__ import annotations
