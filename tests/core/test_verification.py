@@ -370,12 +370,17 @@ def _total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
+def _expected_noise(dist: torch.Tensor, draws: int) -> float:
+    """The total variation that `draws` samples of `dist` are expected to show by chance alone."""
+    return float((0.5 * (2 * dist * (1 - dist) / (math.pi * draws)).sqrt()).sum())
+
+
 def _check_lossless(case: ToyCase, draws: int, tolerance: float) -> None:
     pair = ToyPair(case)
     target, draft = pair.joint(pair.target), pair.joint(pair.draft)
     # The case must be worth testing: a draft far from the target, and sampling noise well under tolerance.
     assert _total_variation(target, draft) > 0.2
-    expected_noise = float((0.5 * (2 * target * (1 - target) / (math.pi * draws)).sqrt()).sum())
+    expected_noise = _expected_noise(target, draws)
     assert expected_noise < 0.7 * tolerance
     empirical = pair.first_two_counts(draws) / draws
     to_target, to_draft = _total_variation(empirical, target), _total_variation(empirical, draft)
@@ -478,7 +483,7 @@ def _check_processed_lossless(case: ProcessedCase, draws: int, tolerance: float)
     pair = ProcessedPair(case)
     processed = pair.processed_joint(case.params)
     plain = pair.processed_joint(_unprocessed(case.params))
-    expected_noise = float((0.5 * (2 * processed * (1 - processed) / (math.pi * draws)).sqrt()).sum())
+    expected_noise = _expected_noise(processed, draws)
     assert expected_noise < 0.7 * tolerance
     # worth testing: the processing moves the target far, and the raw draft is far from the processed target
     assert _total_variation(processed, plain) > 0.1
