@@ -376,6 +376,6 @@ class _LocalVocab:
         stop = tuple(position[x] for x in params.stop_token_ids if x in position)
         # min_tokens counts all generated tokens, including those outside the support: pad the output with
         # a sentinel the re-indexed counts never see (an id past the support is dropped by bincount's slice)
-        pad = [len(position)] * (len(output) - len(out))
+        pad = [len(support)] * (len(output) - len(out))
         self.history = TokenHistory(prompt, out + pad)
         self.params = dataclasses.replace(params, stop_token_ids=stop)

@@ -114,7 +114,7 @@ def _options(body: dict, f: Frontend, chat: bool) -> Options:
     so = body.get("stream_options")
     include_usage = False
     if so is not None:
-        if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
+        if not isinstance(so, dict) or set(so) - {"include_usage"}:
             raise InvalidArgument("stream_options", so, "must be an object with include_usage")
         if not stream:
             raise InvalidArgument("stream_options", so, "is only allowed with stream: true")
