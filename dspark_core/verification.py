@@ -368,14 +368,22 @@ class _LocalVocab:
     """
 
     def __init__(self, support: torch.Tensor, params: SamplingParams, history: TokenHistory, output: list[int]):
-        position: dict[int, int] = {}
-        for i, tok in enumerate(support.tolist()):
-            position.setdefault(int(tok), i)  # padded duplicates (zero probability) keep the first slot
-        prompt = [position[x] for x in history.prompt_ids if x in position]
-        out = [position[x] for x in output if x in position]
-        stop = tuple(position[x] for x in params.stop_token_ids if x in position)
+        size = support.shape[0]
+        if int(support[0]) == 0 and int(support[-1]) == size - 1 and torch.equal(
+                support, torch.arange(size, device=support.device)):
+            # the whole vocabulary in id order (the drafters' default support): ids are their own slots
+            prompt = [x for x in history.prompt_ids if x < size]
+            out = [x for x in output if x < size]
+            stop = tuple(x for x in params.stop_token_ids if x < size)
+        else:
+            position: dict[int, int] = {}
+            for i, tok in enumerate(support.tolist()):
+                position.setdefault(int(tok), i)  # padded duplicates (zero probability) keep the first slot
+            prompt = [position[x] for x in history.prompt_ids if x in position]
+            out = [position[x] for x in output if x in position]
+            stop = tuple(position[x] for x in params.stop_token_ids if x in position)
         # min_tokens counts all generated tokens, including those outside the support: pad the output with
         # a sentinel the re-indexed counts never see (an id past the support is dropped by bincount's slice)
-        pad = [len(support)] * (len(output) - len(out))
+        pad = [size] * (len(output) - len(out))
         self.history = TokenHistory(prompt, out + pad)
         self.params = dataclasses.replace(params, stop_token_ids=stop)

@@ -531,3 +531,21 @@ def test_process_draft_never_drafts_a_stop_token_before_min_tokens():
 def test_processing_without_a_history_is_refused_not_ignored():
     with pytest.raises(InvalidArgument, match="history"):
         verify_block(torch.zeros(1, 4), DraftBlock(()), SamplingParams(presence_penalty=0.5), make_generator(0))
+
+
+def test_process_draft_gives_the_same_q_for_a_full_vocabulary_support_in_any_order():
+    # the id-ordered full support (the drafters' default) takes a shortcut; a permuted one the general path
+    gen = torch.Generator().manual_seed(5)
+    q = torch.rand(3, 12, generator=gen).softmax(dim=-1)  # [3, 12]
+    order = torch.randperm(12, generator=gen)
+    params = SamplingParams(temperature=0.7, repetition_penalty=1.5, frequency_penalty=0.5, min_p=0.05,
+                            min_tokens=3, stop_token_ids=(4, 7))
+    history = TokenHistory((1, 2, 9), (2, 5))
+    tokens = tuple(int(t) for t in q.argmax(dim=-1))
+    ordered = DraftBlock(tokens, torch.arange(12).expand(3, 12), q)
+    permuted = DraftBlock(tokens, order.expand(3, 12), q[:, order])
+    a = process_draft(ordered, params, history, make_generator(1))
+    b = process_draft(permuted, params, history, make_generator(1))
+    # the first slot's q' (it depends on the history only, not on re-drawn tokens) is the same in any order
+    assert torch.allclose(a.support_probs[0][order], b.support_probs[0], atol=1e-6)
+    assert float(a.support_probs[0][4]) == 0.0 and float(a.support_probs[0][7]) == 0.0  # min_tokens
