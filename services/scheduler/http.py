@@ -14,8 +14,6 @@ Knows nothing about Redis or pods.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -32,7 +30,7 @@ from dspark_core.verifier import validate_prompt_ids
 
 from ..common import metrics
 from ..common.errors import Unavailable
-from .servicer import Frontend, encode_text
+from .servicer import MAX_CHOICES, Choices, Frontend, encode_text
 
 log = logging.getLogger("dspark.http")
 
@@ -55,7 +53,6 @@ def _map_error(exc: BaseException) -> web.Response:
     return _error(500, "internal error (see the server log)", "server_error")
 
 
-MAX_N = 16  # choices per request at most
 UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "tool_choice", "function_call", "response_format",
                "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -105,8 +102,8 @@ def _options(body: dict, f: Frontend, chat: bool) -> Options:
     for name in UNSUPPORTED:
         if body.get(name) not in (None, {}, [], "") and not (name == "response_format" and body[name] == {"type": "text"}):
             raise InvalidArgument(name, body[name], "is not supported by this server")
-    n = _integer(body, "n", 1, 1, MAX_N)
-    best_of = _integer(body, "best_of", None, 1, MAX_N)
+    n = _integer(body, "n", 1, 1, MAX_CHOICES)
+    best_of = _integer(body, "best_of", None, 1, MAX_CHOICES)
     if best_of is not None and best_of != n:
         raise InvalidArgument("best_of", best_of, f"is not supported (only best_of = n = {n}: the n samples are "
                                                   "returned as drawn, never ranked)")
@@ -158,14 +155,6 @@ def _params(body: dict, f: Frontend, chat: bool, logprobs: int | None) -> Sampli
     except InvalidArgument as exc:
         name = {"max_new_tokens": max_name}.get(exc.field, exc.field)
         raise InvalidArgument(name, exc.value, exc.requirement) from None
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice `index` of a seeded request: choice 0 uses the seed itself (n = 1 equals a plain request),
-    the others a seed mixed from (seed, index), so the n samples are independent and reproducible."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
 
 
 def _prompt_ids(body: dict, f: Frontend, chat: bool) -> list[int]:
@@ -305,11 +294,11 @@ def _chat_logprobs(f: Frontend, lps: list) -> dict:
 
 
 class _ChoiceRun:
-    """One of the n choices of a request: its engine request (pumped into a shared queue) and what it
-    produced so far: text cut at the stop strings, logprobs of the tokens kept, rounds."""
+    """What one of the n choices of a request produced so far: text cut at the stop strings, logprobs of
+    the tokens kept, the rounds' drafted and accepted counts."""
 
-    def __init__(self, index: int, f: Frontend, gen, opts: Options):
-        self.index, self.gen, self.opts = index, gen, opts
+    def __init__(self, index: int, f: Frontend, opts: Options, runs: Choices):
+        self.index, self.opts, self.runs = index, opts, runs
         self.text = StopText(f.tokenizer, opts.stops)
         self.logprobs: list = []
         self.accepted: list[int] = []
@@ -318,18 +307,6 @@ class _ChoiceRun:
         self.summary: dict | None = None
         self.sent_logprobs = 0
         self.sent_chars = 0
-        self.task: asyncio.Task | None = None
-
-    async def pump(self, queue: asyncio.Queue) -> None:
-        try:
-            async for upd in self.gen:
-                queue.put_nowait((self.index, upd, None))
-                if upd.finished:
-                    break
-        except Exception as exc:  # noqa: BLE001 - handed to the handler, which answers for this request only
-            queue.put_nowait((self.index, None, exc))
-        finally:
-            await self.gen.aclose()
 
     def take(self, upd) -> tuple[str, list]:
         """Record one update; returns the text delta that may go out now and the logprobs of new kept tokens."""
@@ -340,8 +317,7 @@ class _ChoiceRun:
             self.proposed.append(upd.round["num_drafted"])
         if self.text.hit:
             self.finish = "stop"
-            if self.task is not None:
-                self.task.cancel()  # end its engine request now, not when the other choices are done
+            self.runs.cancel(self.index)  # end its engine request now, not when the other choices are done
         elif upd.finished:
             self.finish = _FINISH.get(upd.finish_reason, upd.finish_reason)
             self.summary = upd.summary
@@ -366,17 +342,15 @@ def _usage(ids: list[int], choices: list[_ChoiceRun]) -> dict:
             "speculative": speculative_metrics(acc, prop)}
 
 
-async def _next(queue: asyncio.Queue, choices: list[_ChoiceRun]):
-    i, upd, exc = await queue.get()
-    if exc is not None:
-        raise exc
+async def _next(runs: Choices, choices: list[_ChoiceRun]):
+    i, upd = await runs.next()
     return choices[i], upd
 
 
-async def _complete(f, rid, created, chat, ids, opts, echo, choices, queue) -> web.Response:
+async def _complete(f, rid, created, chat, ids, opts, echo, choices, runs) -> web.Response:
     try:
         while not all(c.done for c in choices):
-            c, upd = await _next(queue, choices)
+            c, upd = await _next(runs, choices)
             if not c.done:
                 c.take(upd)
     except (DSparkError, Unavailable) as exc:
@@ -404,12 +378,12 @@ async def _complete(f, rid, created, chat, ids, opts, echo, choices, queue) -> w
         "model": f.card.name, "choices": out, "usage": _usage(ids, choices), "dspark": ext})
 
 
-async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, queue) -> web.StreamResponse:
+async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs) -> web.StreamResponse:
     # every choice's first update (or its error) comes before the headers: a refused request is a 4xx
     early, started = [], set()
     try:
         while len(started) < len(choices):
-            c, upd = await _next(queue, choices)
+            c, upd = await _next(runs, choices)
             started.add(c.index)
             early.append((c, upd))
     except (DSparkError, Unavailable) as exc:
@@ -446,7 +420,7 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, queu
             await send(c, upd, first=True)
         while not all(c.done for c in choices):
             try:
-                c, upd = await _next(queue, choices)
+                c, upd = await _next(runs, choices)
             except (DSparkError, Unavailable) as exc:  # headers are out: end the stream with an error event
                 await write({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
                 break
@@ -501,21 +475,14 @@ def make_app(f: Frontend, is_serving) -> web.Application:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         echo = _prompt_text(body, f, ids) if opts.echo else ""
-        choices = [_ChoiceRun(i, f, f.run(rid if opts.n == 1 else f"{rid}-{i}", ids,
-                                          dataclasses.replace(params, seed=choice_seed(params.seed, i))), opts)
-                   for i in range(opts.n)]
-        queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(c.pump(queue)) for c in choices]  # the n requests join the engine together
-        for c, t in zip(choices, pumps):
-            c.task = t
+        runs = Choices(f, rid, ids, params, opts.n)  # the n requests join the engine together
+        choices = [_ChoiceRun(i, f, opts, runs) for i in range(opts.n)]
         try:
             if not opts.stream:
-                return await _complete(f, rid, created, chat, ids, opts, echo, choices, queue)
-            return await _stream(request, f, rid, created, chat, ids, opts, echo, choices, queue)
+                return await _complete(f, rid, created, chat, ids, opts, echo, choices, runs)
+            return await _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs)
         finally:
-            for t in pumps:
-                t.cancel()  # a choice cut by a stop string, or a client gone: cancel it in the engine
-            await asyncio.gather(*pumps, return_exceptions=True)
+            await runs.aclose()  # a client gone, or an error: cancel what still runs in the engine
 
     async def completions(request):
         return await generate(request, chat=False)

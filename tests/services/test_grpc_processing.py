@@ -120,3 +120,28 @@ def test_bad_processing_values_are_invalid_argument_naming_the_field(embedded):
             stub.GenerateUnary(req, timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"sampling.{field}" in err.value.details()
     ch.close()
+
+
+def test_grpc_n_choices_are_seeded_and_reproducible(embedded):
+    stub, ch = cluster.scheduler_stub(embedded)
+
+    def request(cls, n):
+        return cls(prompt_text=PROMPT, n=n, sampling=types_pb2.SamplingParams(
+            temperature=1.0, seed=2024, max_new_tokens=12, logprobs=0, presence_penalty=0.5))
+
+    three = stub.GenerateUnary(request(types_pb2.GenerateUnaryRequest, 3), timeout=120)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert list(three.token_ids) == list(three.choices[0].token_ids)
+    assert len({tuple(c.token_ids) for c in three.choices}) > 1
+    assert all(len(c.logprobs) == len(c.token_ids) for c in three.choices)
+    one = stub.GenerateUnary(request(types_pb2.GenerateUnaryRequest, 1), timeout=120)
+    assert list(one.token_ids) == list(three.choices[0].token_ids) and not one.choices
+    chunks = list(stub.Generate(request(types_pb2.GenerateRequest, 3), timeout=120))
+    for c in three.choices:  # streamed: the same three choices, each ending once
+        mine = [k for k in chunks if k.choice_index == c.index]
+        assert [t for k in mine for t in k.token_ids] == list(c.token_ids)
+        assert sum(1 for k in mine if k.finish_reason) == 1 and mine[-1].finish_reason
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GenerateUnary(request(types_pb2.GenerateUnaryRequest, 17), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n" in err.value.details()
+    ch.close()
