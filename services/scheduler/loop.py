@@ -145,6 +145,13 @@ class EngineLoop:
         self._commands.put(("add", prompt_ids, params, request_id, sink, fut, span_context, adopted))
         return fut
 
+    def submit_group(self, entries: list[tuple]) -> list[Future]:
+        """Several `submit(*entry)` calls handled in one go, so the requests join the engine in the same
+        step (the n choices of one request: the verifier then prefills their shared prompt once)."""
+        futures = [Future() for _ in entries]
+        self._commands.put(("group", [(*e, fut) for e, fut in zip(entries, futures)]))
+        return futures
+
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
 
@@ -169,7 +176,10 @@ class EngineLoop:
             self._periodic()
 
     def _handle(self, cmd) -> None:
-        if cmd[0] == "add":
+        if cmd[0] == "group":
+            for prompt_ids, params, rid, sink, span_context, adopted, fut in cmd[1]:
+                self._handle(("add", prompt_ids, params, rid, sink, fut, span_context, adopted))
+        elif cmd[0] == "add":
             _, prompt_ids, params, rid, sink, fut, span_context, adopted = cmd
             try:
                 self.engine.add_request(prompt_ids, params, request_id=rid)

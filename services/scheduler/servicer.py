@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from dspark_core.errors import InvalidArgument
@@ -111,12 +112,13 @@ class Frontend:
             raise InvalidArgument("request_id", rid, "has a checkpoint with a different prompt")
         return list(ck.get("generated", []))
 
-    async def run(self, rid: str, prompt_ids: list[int], params, client_id: bool = False):
+    async def run(self, rid: str, prompt_ids: list[int], params, client_id: bool = False, submit=None):
         """Async iterator of Updates for one request; cancels it in the engine if the consumer goes away.
 
         With a client-chosen id whose scheduler is gone, the request is adopted from its checkpoint: the
         committed tokens but the last are replayed, and the engine prefills prompt + those (the last one,
-        the anchor, is sampled again: for greedy requests it comes back identical).
+        the anchor, is sampled again: for greedy requests it comes back identical). `submit` replaces
+        `self.loop.submit` (Choices hands the n choices to the engine together).
         """
         if self.draining:
             raise Unavailable("scheduler is draining; retry on another replica")
@@ -132,8 +134,9 @@ class Frontend:
         # one trace per request: this span (a child of the RPC's server span, if any) parents every round
         span = tracer.start_span("generate", attributes={"dspark.request_id": rid,
                                                          "dspark.prompt_tokens": len(prompt_ids)})
-        fut = self.loop.submit(prompt_ids, params, rid, lambda u: aloop.call_soon_threadsafe(q.put_nowait, u),
-                               span.get_span_context(), adopted=len(prefix))
+        fut = (submit or self.loop.submit)(prompt_ids, params, rid,
+                                           lambda u: aloop.call_soon_threadsafe(q.put_nowait, u),
+                                           span.get_span_context(), len(prefix))
         done = submitted = False
         try:
             await asyncio.wrap_future(fut)
@@ -178,9 +181,20 @@ class Choices:
             raise InvalidArgument("n", n, f"must be an integer in [1, {MAX_CHOICES}]")
         self.request_ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop, self._n, self._held = f.loop, n, []
         self._tasks = [asyncio.create_task(self._pump(i, f.run(
             self.request_ids[i], prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
-            client_id=client_id and n == 1))) for i in range(n)]
+            client_id=client_id and n == 1, submit=self._submit if n > 1 else None))) for i in range(n)]
+
+    def _submit(self, *entry) -> Future:
+        """Hold each choice's submission until all n are in, then hand them to the engine in one command."""
+        mine: Future = Future()
+        self._held.append((entry, mine))
+        if len(self._held) == self._n:
+            for (_, m), theirs in zip(self._held, self._loop.submit_group([e for e, _ in self._held])):
+                theirs.add_done_callback(lambda t, m=m: m.set_exception(t.exception()) if t.exception()
+                                         else m.set_result(t.result()))
+        return mine
 
     async def _pump(self, index: int, gen) -> None:
         try:

@@ -129,13 +129,29 @@ def test_grpc_n_choices_are_seeded_and_reproducible(embedded):
         return cls(prompt_text=PROMPT, n=n, sampling=types_pb2.SamplingParams(
             temperature=1.0, seed=2024, max_new_tokens=12, logprobs=0, presence_penalty=0.5))
 
-    three = stub.GenerateUnary(request(types_pb2.GenerateUnaryRequest, 3), timeout=120)
+    target = embedded.engine.target
+    prefilled, forward = [], target.forward
+
+    def counting(batch, **kw):
+        if kw.get("last_logits_only"):
+            prefilled.append(sum(len(toks) for _, toks in batch))
+        return forward(batch, **kw)
+
+    target.forward = counting
+    try:
+        three = stub.GenerateUnary(request(types_pb2.GenerateUnaryRequest, 3), timeout=120)
+    finally:
+        del target.forward
+    # the three choices joined the engine in one step and their shared prompt ran through the target once
+    assert prefilled == [len(target.tokenizer.encode(PROMPT, add_special_tokens=False))]
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert list(three.token_ids) == list(three.choices[0].token_ids)
     assert len({tuple(c.token_ids) for c in three.choices}) > 1
     assert all(len(c.logprobs) == len(c.token_ids) for c in three.choices)
+    again = stub.GenerateUnary(request(types_pb2.GenerateUnaryRequest, 3), timeout=120)
+    assert [list(c.token_ids) for c in again.choices] == [list(c.token_ids) for c in three.choices]
     one = stub.GenerateUnary(request(types_pb2.GenerateUnaryRequest, 1), timeout=120)
-    assert list(one.token_ids) == list(three.choices[0].token_ids) and not one.choices
+    assert not one.choices and one.token_ids
     chunks = list(stub.Generate(request(types_pb2.GenerateRequest, 3), timeout=120))
     for c in three.choices:  # streamed: the same three choices, each ending once
         mine = [k for k in chunks if k.choice_index == c.index]

@@ -177,8 +177,6 @@ def test_n_samples_are_seeded_independent_and_reproducible(client):
     assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
     assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
     assert len(set(texts)) > 1  # independent samples, not one sample copied
-    # choice 0 of a seeded request is the request with that seed alone
-    assert client.completions.create(n=1, **kw).choices[0].text == texts[0]
     assert first.usage.completion_tokens == sum(len(c["token_ids"]) for c in extension(first)["choices"])
     # chat, streamed, n = 2: every choice index appears and ends once
     chunks = list(client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}],
