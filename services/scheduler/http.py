@@ -307,6 +307,7 @@ class _ChoiceRun:
         self.summary: dict | None = None
         self.sent_logprobs = 0
         self.sent_chars = 0
+        self.started = False  # a chunk of this choice went out
 
     def take(self, upd) -> tuple[str, list]:
         """Record one update; returns the text delta that may go out now and the logprobs of new kept tokens."""
@@ -395,7 +396,9 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs
     async def write(data: dict) -> None:
         await resp.write(f"data: {json.dumps(data)}\n\n".encode())
 
-    async def send(c: _ChoiceRun, upd, first: bool) -> None:
+    async def send(c: _ChoiceRun, upd) -> None:
+        first = not c.started  # its first chunk carries the role (and the echoed prompt)
+        c.started = True
         delta, lps = c.take(upd)
         if first and echo:
             delta = echo + delta
@@ -417,7 +420,7 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs
 
     try:
         for c, upd in early:
-            await send(c, upd, first=True)
+            await send(c, upd)
         while not all(c.done for c in choices):
             try:
                 c, upd = await _next(runs, choices)
@@ -425,7 +428,7 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs
                 await write({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
                 break
             if not c.done:
-                await send(c, upd, first=False)
+                await send(c, upd)
         else:
             if opts.include_usage:
                 await write({"id": rid, "object": kind, "created": created, "model": f.card.name, "choices": [],

@@ -183,6 +183,8 @@ def test_n_samples_are_seeded_independent_and_reproducible(client):
                                                  max_tokens=8, temperature=1.0, seed=5, n=2, stream=True))
     ends = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
     assert ends == [0, 1]
+    roles = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role)
+    assert roles == [0, 1]  # each choice's first chunk, and only that one, carries the role
 
 
 def test_sampled_penalties_are_served_with_speculation(client, target, prompt_ids):
