@@ -73,7 +73,8 @@ def build_request(args):
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise InvalidArgument("prompt", args.prompt, "give exactly one of PROMPT or --prompt-ids")
-    params = processing_params(args, sampling_params(args))  # validated here: the wire cannot carry e.g. a negative top_k
+    # validated here: the wire cannot carry e.g. a negative top_k
+    params = processing_params(args, sampling_params(args))
     import uuid
 
     # a client-chosen id, so that a retry on another scheduler continues the same request

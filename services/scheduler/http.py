@@ -14,6 +14,7 @@ Knows nothing about Redis or pods.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -100,7 +101,8 @@ class Options:
 
 def _options(body: dict, f: Frontend, chat: bool) -> Options:
     for name in UNSUPPORTED:
-        if body.get(name) not in (None, {}, [], "") and not (name == "response_format" and body[name] == {"type": "text"}):
+        plain_text = name == "response_format" and body.get(name) == {"type": "text"}
+        if body.get(name) not in (None, {}, [], "") and not plain_text:
             raise InvalidArgument(name, body[name], "is not supported by this server")
     n = _integer(body, "n", 1, 1, MAX_CHOICES)
     best_of = _integer(body, "best_of", None, 1, MAX_CHOICES)
@@ -439,7 +441,10 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs
     return resp
 
 
-def make_app(f: Frontend, is_serving) -> web.Application:
+def make_app(f: Frontend, is_serving, redis_up=None) -> web.Application:
+    """`redis_up()` (blocking; None: no Redis configured) says whether Redis answers: /health then reports
+    `"redis": "up" | "unreachable"`, and `"status": "degraded"` (still 200: requests are served, coordination
+    is off) while it does not."""
     async def health(request):
         ok = is_serving() and not f.draining
         body = {"status": "ok" if ok else "unavailable"}
