@@ -1,11 +1,13 @@
 """`dspark client generate --address HOST:PORT "PROMPT"`: one request to a running scheduler over gRPC.
 
-Streams text as it arrives, or prints the same JSON fields as `dspark generate --json`. A status error
+Streams text as it arrives, or prints the same JSON fields as `dspark generate --json` plus the request's
+speculative metrics (and, with --logprobs K, every token's logprob). A status error
 from the server (bad input, overload, unavailable) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -36,7 +38,32 @@ def add_parser(sub) -> None:
     g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default 600)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(g)
+    add_processing_args(g)
     g.set_defaults(func=run)
+
+
+def add_processing_args(p) -> None:
+    """The request's own processing (docs/openai_api.md): speculation stays exact with any of them."""
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], per token generated (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2], times the count of each generated token (default 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0, on tokens of the prompt or the output (default 1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1], relative to the top token (default 0 = off)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no stop token before this many tokens (default 0)")
+    p.add_argument("--stop-token-ids", default="", help="comma-separated extra stop token ids")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence ids")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's logprob and the K most likely alternatives (0..20)")
+
+
+def processing_params(args, params):
+    """`params` with the processing flags of `add_processing_args` (validated by SamplingParams)."""
+    stop = parse_prompt_ids(args.stop_token_ids) if args.stop_token_ids.strip() else []
+    return dataclasses.replace(params, presence_penalty=args.presence_penalty,
+                               frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                               min_p=args.min_p, min_tokens=args.min_tokens, logprobs=args.logprobs,
+                               stop_token_ids=tuple(stop))
 
 
 def build_request(args):
@@ -46,7 +73,8 @@ def build_request(args):
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise InvalidArgument("prompt", args.prompt, "give exactly one of PROMPT or --prompt-ids")
-    params = sampling_params(args)  # validated here: the wire cannot carry e.g. a negative top_k
+    # validated here: the wire cannot carry e.g. a negative top_k
+    params = processing_params(args, sampling_params(args))
     import uuid
 
     # a client-chosen id, so that a retry on another scheduler continues the same request
@@ -56,6 +84,7 @@ def build_request(args):
     else:
         req.prompt_text = args.prompt
     params_to_proto(params, req.sampling)
+    req.sampling.ignore_eos = args.ignore_eos
     if args.seed is None:
         req.sampling.ClearField("seed")
     return req
@@ -70,7 +99,7 @@ def run(args) -> int:
 
     req = build_request(args)
     t0 = time.perf_counter()
-    tokens, accepted, text, last = [], [], [], None
+    tokens, accepted, text, last, logprobs = [], [], [], None, []
     addresses = [a.strip() for a in args.address.split(",") if a.strip()]
     deadline = time.monotonic() + args.retry_for
     attempt = 0
@@ -86,6 +115,7 @@ def run(args) -> int:
                     skip = max(0, min(len(ids), len(tokens) - seen))
                     seen += len(ids)
                     tokens.extend(ids[skip:])
+                    logprobs.extend(chunk.logprobs[skip:])
                     if chunk.HasField("round") and skip < len(ids):
                         accepted.append(chunk.round.num_accepted)
                     stream_text += chunk.text_delta
@@ -121,6 +151,12 @@ def run(args) -> int:
             "prompt_tokens": s.prompt_tokens,
             "finish_reason": _FINISH.get(last.finish_reason),
             "request_id": last.request_id,
+            "speculative": {"num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
+                            "accepted_per_position": list(s.accepted_per_position),
+                            "mean_verification_length": s.mean_verification_length},
+            **({"logprobs": [{"token_id": m.token_id, "logprob": m.logprob,
+                              "top": [[t.token_id, t.logprob] for t in m.top]} for m in logprobs]}
+               if args.logprobs is not None else {}),
         }))
     elif full:
         print()

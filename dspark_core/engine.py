@@ -33,9 +33,9 @@ import torch
 from . import scheduling
 from .drafters.base import Proposal, ProposeItem
 from .errors import InvalidArgument, NotFound, ResourceExhausted
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams, TokenHistory, TokenLogprob, make_generator
 from .target import TargetRuntime
-from .verification import DraftBlock
+from .verification import DraftBlock, process_draft
 from .verifier import PrefillItem, StepResult, Verifier, VerifyItem
 
 # log-width of the buckets in which the drafting-time EMA shares a derived cost table (~5%)
@@ -93,6 +93,8 @@ class RequestState:
     num_committed: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
     proposed_per_round: list[int] = field(default_factory=list)
+    # one per output token when the request asked for logprobs (params.logprobs is not None)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     t_start: float = field(default_factory=time.perf_counter)
@@ -115,6 +117,23 @@ class RequestState:
         end = self.t_end if self.t_end is not None else time.perf_counter()
         return len(self.output_ids) / max(end - self.t_start, 1e-9)
 
+    def speculative_metrics(self) -> dict:
+        """This request's speculation so far (`speculative_metrics` of its rounds)."""
+        return speculative_metrics(self.accepted_per_round, self.proposed_per_round)
+
+
+def speculative_metrics(accepted_per_round: list[int], proposed_per_round: list[int]) -> dict:
+    """Speculation over some rounds (of one request or several): drafts verified, drafts accepted, how many
+    rounds accepted the draft at each position (index k: position k + 1), and the mean drafts verified
+    per round."""
+    rounds = len(accepted_per_round)
+    longest = max(proposed_per_round, default=0)
+    return {"num_draft_tokens": sum(proposed_per_round),
+            "num_accepted_tokens": sum(accepted_per_round),
+            "accepted_per_position": [sum(1 for a in accepted_per_round if a > k) for k in range(longest)],
+            "mean_verification_length": sum(proposed_per_round) / rounds if rounds else 0.0,
+            "num_rounds": rounds}
+
 
 @dataclass(frozen=True)
 class StepEvent:
@@ -124,6 +143,8 @@ class StepEvent:
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None
+    # one per new token when the request asked for logprobs, else None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -281,11 +302,16 @@ class Engine:
         if req in self.waiting:
             self.waiting.remove(req)
 
-    def _emit(self, req: RequestState, tokens: list[int], stopped: bool) -> list[int]:
+    def _emit(self, req: RequestState, tokens: list[int], stopped: bool, logprobs=None) -> list[int]:
         """Append committed tokens, honouring max_new_tokens and the context window."""
         room = req.params.max_new_tokens - len(req.output_ids)
         kept = tokens[:room]
         req.output_ids.extend(kept)
+        if req.params.logprobs is not None:
+            if logprobs is None or len(logprobs) != len(tokens):
+                raise InvalidArgument("logprobs", None if logprobs is None else len(logprobs),
+                                      f"must come with each of the {len(tokens)} committed tokens")
+            req.logprobs.extend(logprobs[:room])
         req.num_committed += len(tokens)
         if req.t_first_token is None and kept:
             req.t_first_token = time.perf_counter()
@@ -302,6 +328,7 @@ class Engine:
     def step(self) -> list[StepEvent]:
         events: dict[str, list[int]] = {}
         rec = _StepLog()
+        before = {r.request_id: len(r.output_ids) for r in self.active}
         self._admit(events, rec)
         if self.active:
             self._round(events, rec)
@@ -309,7 +336,11 @@ class Engine:
         out = []
         for rid, toks in events.items():
             req = self.requests[rid]
-            out.append(StepEvent(rid, tuple(toks), req.finished, req.finish_reason))
+            lps = None
+            if req.params.logprobs is not None:
+                start = before.get(rid, 0)
+                lps = tuple(req.logprobs[start:start + len(toks)])
+            out.append(StepEvent(rid, tuple(toks), req.finished, req.finish_reason, lps))
         if self.observer is not None:
             self.observer(StepRecord(self.num_steps, tuple(rec.request_ids), tuple(rec.proposals),
                                      tuple(rec.lengths), tuple(rec.admitted), rec.timings, tuple(out)))
@@ -336,7 +367,7 @@ class Engine:
         if self.drafter is not None:
             req.pending_features, req.pending_start = res.features, res.features_start
             req.pending_tokens = res.context_tokens
-        kept = self._emit(req, res.tokens, res.stopped)
+        kept = self._emit(req, res.tokens, res.stopped, res.logprobs)
         events.setdefault(req.request_id, []).extend(kept)
 
     def _round(self, events: dict[str, list[int]], rec: "_StepLog") -> None:
@@ -380,10 +411,16 @@ class Engine:
         for r, p, l in zip(reqs, proposals, lengths):
             # the verify block must fit in the context window: anchor + l drafts
             l = max(0, min(l, gamma, self.target.max_context - r.anchor_pos - 1))
-            blocks.append(DraftBlock(
+            block = DraftBlock(
                 tokens=tuple(p.tokens[:l]),
                 support_ids=None if p.support_ids is None else p.support_ids[:l],
-                support_probs=None if p.support_probs is None else p.support_probs[:l]))
+                support_probs=None if p.support_probs is None else p.support_probs[:l])
+            if r.params.processed:
+                # the drafts re-drawn from the drafter's q processed as the target will be (penalties over
+                # the prefix including the drafts before each slot, min_tokens, min-p): verification then
+                # compares the penalised target against exactly that processed q
+                block = process_draft(block, r.params, TokenHistory(r.prompt_ids, r.output_ids), r.draft_generator)
+            blocks.append(block)
         return blocks
 
     # -- convenience

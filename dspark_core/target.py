@@ -322,6 +322,17 @@ class TargetRuntime:
             self._sequences[seq.slot] = last
         seq.released = True
 
+    def fork(self, seq: Sequence) -> Sequence:
+        """A new sequence whose KV cache is a copy of `seq`'s: requests with the same prompt (the n
+        choices of one request) run the prompt through the model once."""
+        if seq.released:
+            raise InvalidArgument("seq", seq.slot, "must not be released")
+        new = self.new_sequence()
+        self.cache.reserve(len(self._sequences), seq.length)
+        self.cache.move_slot(seq.slot, new.slot, seq.length)
+        new.length = seq.length
+        return new
+
     def truncate(self, seq: Sequence, length: int) -> None:
         """Roll back to the first `length` positions (e.g. anchor + accepted drafts)."""
         if not 0 <= length <= seq.length:

@@ -7,19 +7,32 @@ distributed exactly as plain sampling from the target (temperature, top-k and to
 and draw no random numbers; sampled requests draw one uniform per tested draft and one for the final
 token, so a request with no drafts draws exactly what `sample_token` would.
 
+A request's own processing (penalties, min_tokens: `dspark_core.sampling.process_logits`) makes row i's
+distribution depend on the request's history and on the drafts d_1..d_i in front of it, so verification
+applies it per row with those drafts counted: the committed tokens follow the processed target exactly.
+`process_draft` applies the same processing to a draft block before verification (for acceptance, not for
+correctness: any draft distribution q is lossless as long as verification compares against the q the
+token was actually drawn from, which `process_draft` returns). Logprobs of committed tokens (requests
+with `logprobs` set) come from the same processed target rows.
+
 This module knows nothing about drafters, models, KV caches or tokenizers. It does not enforce
 `max_new_tokens`: the caller truncates a round that would run past it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import math
 
 import torch
 
 from dspark_core.errors import InvalidArgument
-from dspark_core.sampling import SamplingParams, _inverse_cdf, _is_int, _uniform, sample_from_probs, target_probs
+from dspark_core.sampling import (SamplingParams, TokenHistory, TokenLogprob, _inverse_cdf, _is_int, _uniform,
+                                  process_logits, sample_from_probs, sampling_logprobs, target_probs,
+                                  token_logprobs)
 
 _ROW_SUM_TOLERANCE = 1e-3  # a draft row summing further from 1 is a caller bug (logits passed as probs, ...)
 _MIN_RESIDUAL_MASS = 1e-12  # below this, max(0, p - q) is rounding noise: sample from p instead
@@ -128,6 +141,8 @@ class VerifyOutcome:
     num_accepted: int
     tokens: tuple[int, ...]
     stopped: bool
+    # one per token of `tokens` when the request asked for logprobs, else None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     def __post_init__(self) -> None:
         extra = len(self.tokens) - self.num_accepted
@@ -154,7 +169,7 @@ def _verify_greedy(tokens: tuple[int, ...], argmax: list[int], stop: tuple[int, 
 
 
 def _verify_sampled(
-    # [n + 1, vocab_size]
+    # [n + 1, vocab_size] after process_logits
     target_logits: torch.Tensor,
     draft: DraftBlock,
     params: SamplingParams,
@@ -198,21 +213,45 @@ def _check_block(num_rows: int, vocab_size: int, draft: DraftBlock, params: Samp
         raise InvalidArgument("support_ids", draft.max_support_id, f"must be < vocab_size {vocab_size}")
 
 
+def _with_logprobs(outcome: VerifyOutcome, processed: torch.Tensor, params: SamplingParams) -> VerifyOutcome:
+    """Attach the committed tokens' logprobs (row j of `processed` predicts token j of the outcome)."""
+    if params.logprobs is None:
+        return outcome
+    m = len(outcome.tokens)
+    rows = sampling_logprobs(processed[:m], params)  # [m, vocab_size]
+    return dataclasses.replace(outcome, logprobs=tuple(token_logprobs(rows, outcome.tokens, params.logprobs)))
+
+
+def _verify_one(logits: torch.Tensor, draft: DraftBlock, params: SamplingParams, generator: torch.Generator,
+                history: TokenHistory | None, argmax: list[int] | None = None) -> VerifyOutcome:
+    """`logits` [n + 1, vocab_size] raw; `argmax` of those rows when the caller has it already."""
+    processed = process_logits(logits, params, history, draft.tokens)
+    if params.greedy:
+        if argmax is None or processed is not logits:
+            argmax = processed.argmax(dim=-1).tolist()
+        outcome = _verify_greedy(draft.tokens, argmax, params.stop_token_ids)
+    else:
+        outcome = _verify_sampled(processed, draft, params, generator)
+    return _with_logprobs(outcome, processed, params)
+
+
 def verify_block(
     # [n + 1, vocab_size] raw target logits at [anchor, d_1..d_n]; row i predicts the token after position i
     target_logits: torch.Tensor,
     draft: DraftBlock,
     params: SamplingParams,
     generator: torch.Generator,
+    # the request's prompt and generated tokens up to and including the anchor (needed with penalties or
+    # min_tokens: row i is processed with history + d_1..d_i)
+    history: TokenHistory | None = None,
 ) -> VerifyOutcome:
-    """Verify one request's draft block; the committed tokens are distributed as plain sampling."""
+    """Verify one request's draft block; the committed tokens are distributed as plain sampling from the
+    request's processed target."""
     if target_logits.dim() != 2:
         raise InvalidArgument("target_logits", tuple(target_logits.shape), "must be 2-D [n + 1, vocab_size]")
     _check_block(target_logits.shape[0], target_logits.shape[1], draft, params,
                  "target_logits", tuple(target_logits.shape))
-    if params.greedy:
-        return _verify_greedy(draft.tokens, target_logits.argmax(dim=-1).tolist(), params.stop_token_ids)
-    return _verify_sampled(target_logits, draft, params, generator)
+    return _verify_one(target_logits, draft, params, generator, history)
 
 
 def verify_batch(
@@ -223,6 +262,7 @@ def verify_batch(
     drafts: Sequence[DraftBlock],
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> list[VerifyOutcome]:
     """Verify a ragged batch: request r owns rows cu_seqlens[r]:cu_seqlens[r + 1] of `logits`.
 
@@ -241,14 +281,109 @@ def verify_batch(
     if offsets[0] != 0 or offsets[-1] != logits.shape[0] or any(a > b for a, b in zip(offsets, offsets[1:])):
         raise InvalidArgument("cu_seqlens", offsets, f"must rise from 0 to total_tokens {logits.shape[0]}")
     vocab_size = logits.shape[1]
+    histories = [None] * num_requests if histories is None else list(histories)
+    if len(histories) != num_requests:
+        raise InvalidArgument("histories", len(histories), f"must have one entry per request ({num_requests})")
     argmax = logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else None
     outcomes = []
     for r in range(num_requests):
         start, end = offsets[r], offsets[r + 1]
         _check_block(end - start, vocab_size, drafts[r], params[r], f"cu_seqlens[{r}:{r + 2}]", [start, end])
-        if params[r].greedy:
-            assert argmax is not None
-            outcomes.append(_verify_greedy(drafts[r].tokens, argmax[start:end], params[r].stop_token_ids))
-        else:
-            outcomes.append(_verify_sampled(logits[start:end], drafts[r], params[r], generators[r]))
+        outcomes.append(_verify_one(logits[start:end], drafts[r], params[r], generators[r], histories[r],
+                                    argmax[start:end] if argmax is not None else None))
     return outcomes
+
+
+def process_draft(
+    draft: DraftBlock,
+    params: SamplingParams,
+    # the request's prompt and generated tokens up to and including the anchor
+    history: TokenHistory,
+    generator: torch.Generator,
+) -> DraftBlock:
+    """The block re-drawn from the drafter's q_k processed as the target will be, position by position.
+
+    For a sampled request with penalties, min_tokens or min_p, slot k's draft distribution q_k (on its
+    support) becomes q'_k: the penalties with the history plus the re-drawn d'_1..d'_{k-1} counted, the
+    stop tokens masked while min_tokens is not reached, min-p on the result. d'_k is drawn from q'_k by
+    maximal coupling with the drafter's own d_k ~ q_k (keep d_k with probability min(1, q'_k(d_k) /
+    q_k(d_k)), else draw from the positive part of q'_k - q_k), so d'_k = d_k whenever q'_k and q_k agree
+    there, and the block returned carries q'_k as its support probabilities: what verification compares
+    the penalised target against. Frequency, presence, min_tokens and min-p are exact on the draft's
+    log-probabilities; the repetition penalty is applied to them as if they were the logits (the drafter's
+    raw logits, whose sign the penalty depends on, are not in the block).
+
+    Draws one uniform per slot plus one per re-drawn slot from `generator` (the request's draft-side
+    stream, never the verifier's). The block is cut before a slot whose processed support has no mass.
+    Greedy requests and blocks without a support are returned unchanged.
+    """
+    n = len(draft.tokens)
+    if params.greedy or not params.processed or n == 0 or draft.support_ids is None:
+        return draft
+    assert draft.support_probs is not None
+    ids, q_all = draft.support_ids.long(), draft.support_probs
+    dev = q_all.device
+    t = params.temperature
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
+    output = list(history.output_ids)
+    for k in range(n):
+        support, q = ids[k], q_all[k].double()  # [s] each
+        pseudo = (q.log() * t).float()[None, :]  # [1, s] logits of q up to a constant (q = softmax(pseudo / t))
+        local = _LocalVocab(support, params, history, output + tokens)
+        scores = process_logits(pseudo, local.params, local.history)[0] / t  # [s]
+        q_new = scores.double().softmax(dim=-1)
+        if params.min_p > 0.0:
+            q_new = q_new.masked_fill(q_new < params.min_p * q_new.max(), 0.0)
+        q_new = q_new.float()  # the row verification reads; draw from exactly these values
+        total = float(q_new.double().sum())
+        if not total > 0 or not math.isfinite(total):
+            break
+        q_new = q_new / q_new.sum()
+        q_new64 = q_new.double()
+        d = draft.tokens[k]
+        at = (support == d).nonzero()
+        j = int(at[0, 0])
+        u = float(_uniform(generator, dev))
+        if not (q_new64[j] > 0 and u < float(q_new64[j] / q[j])):
+            residual = (q_new64 - q).clamp_(min=0.0)
+            if float(residual.sum()) <= _MIN_RESIDUAL_MASS:
+                residual = q_new64
+            j = _inverse_cdf(residual, _uniform(generator, dev))
+            d = int(support[j])
+        tokens.append(d)
+        rows.append(q_new)
+    if not tokens:
+        return DraftBlock(tokens=())
+    m = len(tokens)
+    return DraftBlock(tokens=tuple(tokens), support_ids=draft.support_ids[:m],
+                      support_probs=torch.stack(rows).to(draft.support_probs.dtype))
+
+
+class _LocalVocab:
+    """A support row seen as a small vocabulary: the history re-indexed into it, the stop ids too.
+
+    Lets `process_logits` work on [1, s] support scores: a token outside the support cannot be drawn, so
+    only the support ids' counts, prompt presence and stop status matter.
+    """
+
+    def __init__(self, support: torch.Tensor, params: SamplingParams, history: TokenHistory, output: list[int]):
+        size = support.shape[0]
+        if int(support[0]) == 0 and int(support[-1]) == size - 1 and torch.equal(
+                support, torch.arange(size, device=support.device)):
+            # the whole vocabulary in id order (the drafters' default support): ids are their own slots
+            prompt = [x for x in history.prompt_ids if x < size]
+            out = [x for x in output if x < size]
+            stop = tuple(x for x in params.stop_token_ids if x < size)
+        else:
+            position: dict[int, int] = {}
+            for i, tok in enumerate(support.tolist()):
+                position.setdefault(int(tok), i)  # padded duplicates (zero probability) keep the first slot
+            prompt = [position[x] for x in history.prompt_ids if x in position]
+            out = [position[x] for x in output if x in position]
+            stop = tuple(position[x] for x in params.stop_token_ids if x in position)
+        # min_tokens counts all generated tokens, including those outside the support: pad the output with
+        # a sentinel the re-indexed counts never see (an id past the support is dropped by bincount's slice)
+        pad = [size] * (len(output) - len(out))
+        self.history = TokenHistory(prompt, out + pad)
+        self.params = dataclasses.replace(params, stop_token_ids=stop)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidArgument, NotFound
-from .sampling import SamplingParams, derive_seed, make_generator, sample_token
+from .sampling import SamplingParams, TokenHistory, TokenLogprob, derive_seed, make_generator
 from .target import Sequence, TargetRuntime
 from .verification import DraftBlock, verify_block
 
@@ -54,6 +54,8 @@ class StepResult:
     features: torch.Tensor
     features_start: int  # position of features[0]
     context_tokens: list[int]  # the tokens at those positions
+    # one per token of `tokens`, from the request's processed target distribution (requests with logprobs)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(eq=False)
@@ -61,6 +63,13 @@ class _Slot:
     seq: Sequence
     params: SamplingParams
     generator: torch.Generator
+    # every committed token, prompt first (the last one is the anchor): what penalties and min_tokens count
+    tokens: list[int]
+    prompt_len: int
+
+    def history(self, length: int) -> TokenHistory:
+        """The request's history up to position `length` (exclusive)."""
+        return TokenHistory(self.tokens[: self.prompt_len], self.tokens[self.prompt_len: length])
 
 
 def validate_prompt_ids(ids, vocab_size: int | None, max_context: int | None, field: str = "prompt_ids") -> None:
@@ -74,6 +83,10 @@ def validate_prompt_ids(ids, vocab_size: int | None, max_context: int | None, fi
     bad = [] if vocab_size is None else [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidArgument(field, bad[:5], f"must be token ids in [0, {vocab_size})")
+
+
+def _listed(logprobs) -> list[TokenLogprob] | None:
+    return None if logprobs is None else list(logprobs)
 
 
 class Verifier:
@@ -98,22 +111,36 @@ class Verifier:
             raise InvalidArgument("request_id", request_id, "is already active on this verifier")
 
     def prefill(self, items: list[PrefillItem]) -> list[StepResult]:
+        """Prefill the prompts in one batched forward. Items with the same prompt (the n choices of one
+        request) share it: the prompt runs once, the others get a copy of its KV cache, and each samples
+        its own first token from the shared last-position logits with its own generator."""
         for it in items:
             self._check_prompt(it.request_id, it.prompt_ids)
-        slots = [_Slot(self.target.new_sequence(), it.params, make_generator(it.params.seed)) for it in items]
+        first_of: dict[tuple[int, ...], int] = {}  # prompt -> index of the item whose forward it shares
+        unique = [first_of.setdefault(tuple(it.prompt_ids), i) == i for i, it in enumerate(items)]
+        owners = [i for i, u in enumerate(unique) if u]
+        seqs = {i: self.target.new_sequence() for i in owners}
         try:
-            out = self.target.forward([(s.seq, list(it.prompt_ids)) for s, it in zip(slots, items)],
-                                      last_logits_only=True)
+            out = self.target.forward([(seqs[i], list(items[i].prompt_ids)) for i in owners], last_logits_only=True)
+            for i, it in enumerate(items):
+                if not unique[i]:
+                    seqs[i] = self.target.fork(seqs[first_of[tuple(it.prompt_ids)]])
         except Exception:
-            for s in slots:
-                self.target.release(s.seq)
+            for seq in seqs.values():
+                self.target.release(seq)
             raise
+        row = {i: r for r, i in enumerate(owners)}
         results = []
-        for i, (it, s) in enumerate(zip(items, slots)):
+        for i, it in enumerate(items):
+            s = _Slot(seqs[i], it.params, make_generator(it.params.seed), list(it.prompt_ids), len(it.prompt_ids))
             self._slots[it.request_id] = s
-            first = sample_token(out.logits_of(i)[0], s.params, s.generator)
-            results.append(StepResult(it.request_id, [first], 0, first in s.params.stop_token_ids,
-                                      out.taps_of(i), 0, list(it.prompt_ids)))
+            r = row[first_of[tuple(it.prompt_ids)]]
+            # the first token is a round with no drafts: exactly plain sampling, with the request's processing
+            first = verify_block(out.logits_of(r)[:1], DraftBlock(tokens=()), s.params, s.generator,
+                                 s.history(len(s.tokens)))
+            s.tokens.extend(first.tokens)
+            results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, out.taps_of(r), 0,
+                                      list(it.prompt_ids), _listed(first.logprobs)))
         return results
 
     def resume(self, request_id: str, prompt_ids, generated_ids, params: SamplingParams) -> StepResult:
@@ -125,7 +152,8 @@ class Verifier:
         if not generated_ids:
             raise InvalidArgument("generated_ids", list(generated_ids), "must hold at least the anchor token")
         self._check_prompt(request_id, ids[:-1])
-        s = _Slot(self.target.new_sequence(), params, make_generator(derive_seed(params.seed, len(ids))))
+        s = _Slot(self.target.new_sequence(), params, make_generator(derive_seed(params.seed, len(ids))), ids,
+                  len(prompt_ids))
         try:
             out = self.target.forward([(s.seq, ids[:-1])], last_logits_only=True)
         except Exception:
@@ -152,11 +180,16 @@ class Verifier:
         out = self.target.forward([(s.seq, [it.anchor, *it.draft.tokens]) for s, it in zip(slots, items)])
         results = []
         for i, (it, s) in enumerate(zip(items, slots)):
-            outcome = verify_block(out.logits_of(i), it.draft, s.params, s.generator)
+            # the committed tokens before the anchor, then the anchor (it may be news to a resumed slot)
+            del s.tokens[it.anchor_pos:]
+            s.tokens.append(it.anchor)
+            outcome = verify_block(out.logits_of(i), it.draft, s.params, s.generator, s.history(len(s.tokens)))
             a = outcome.num_accepted
             self.target.truncate(s.seq, it.anchor_pos + a + 1)
+            s.tokens.extend(outcome.tokens)
             results.append(StepResult(it.request_id, list(outcome.tokens), a, outcome.stopped,
-                                      out.taps_of(i)[: a + 1], it.anchor_pos, [it.anchor, *it.draft.tokens[:a]]))
+                                      out.taps_of(i)[: a + 1], it.anchor_pos, [it.anchor, *it.draft.tokens[:a]],
+                                      _listed(outcome.logprobs)))
         return results
 
     def release(self, request_id: str) -> bool:

@@ -16,7 +16,7 @@ import torch
 
 from dspark_core.drafters.base import Proposal, ProposeItem
 from dspark_core.errors import InvalidArgument
-from dspark_core.sampling import SamplingParams
+from dspark_core.sampling import SamplingParams, TokenLogprob
 from dspark_core.verification import DraftBlock
 from dspark_core.verifier import PrefillItem, StepResult, VerifyItem
 from dspark_protos.dspark.v1 import types_pb2
@@ -36,9 +36,11 @@ FINISH_REASONS = {
 
 def params_from_proto(msg: types_pb2.SamplingParams, extra_stop_ids=(), default_max_new_tokens: int =
                       DEFAULT_MAX_NEW_TOKENS, field: str = "sampling") -> SamplingParams:
-    """proto SamplingParams (unset = greedy, 0 = default) -> dspark_core SamplingParams (validated)."""
+    """proto SamplingParams (unset = greedy, 0 = default) -> dspark_core SamplingParams (validated).
+
+    `extra_stop_ids` (the model's end-of-sequence ids) join the stop set unless `msg.ignore_eos`."""
     stop = list(msg.stop_token_ids)
-    for t in extra_stop_ids:
+    for t in () if msg.ignore_eos else extra_stop_ids:
         if t not in stop:
             stop.append(int(t))
     try:
@@ -46,12 +48,19 @@ def params_from_proto(msg: types_pb2.SamplingParams, extra_stop_ids=(), default_
             temperature=float(msg.temperature), top_k=int(msg.top_k),
             top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,
             seed=int(msg.seed) if msg.HasField("seed") else None,
-            max_new_tokens=int(msg.max_new_tokens) or default_max_new_tokens, stop_token_ids=tuple(stop))
+            max_new_tokens=int(msg.max_new_tokens) or default_max_new_tokens, stop_token_ids=tuple(stop),
+            min_p=float(msg.min_p), presence_penalty=float(msg.presence_penalty),
+            frequency_penalty=float(msg.frequency_penalty),
+            repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty != 0 else 1.0,
+            min_tokens=int(msg.min_tokens), logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None)
     except InvalidArgument as exc:
         raise InvalidArgument(f"{field}.{exc.field}", exc.value, exc.requirement) from None
 
 
-def params_to_proto(p: SamplingParams, out: types_pb2.SamplingParams | None = None) -> types_pb2.SamplingParams:
+def params_to_proto(p: SamplingParams, out: types_pb2.SamplingParams | None = None,
+                    complete_stop_set: bool = False) -> types_pb2.SamplingParams:
+    """`complete_stop_set`: p.stop_token_ids already holds every stop id (the scheduler resolved the
+    model's end-of-sequence ids, or left them out for ignore_eos): the receiver must not add them again."""
     msg = types_pb2.SamplingParams() if out is None else out
     msg.temperature, msg.top_k, msg.top_p = p.temperature, p.top_k, p.top_p
     msg.max_new_tokens = p.max_new_tokens
@@ -59,12 +68,39 @@ def params_to_proto(p: SamplingParams, out: types_pb2.SamplingParams | None = No
     msg.stop_token_ids.extend(p.stop_token_ids)
     if p.seed is not None:
         msg.seed = p.seed % 2**64
+    msg.min_p, msg.presence_penalty, msg.frequency_penalty = p.min_p, p.presence_penalty, p.frequency_penalty
+    msg.repetition_penalty, msg.min_tokens = p.repetition_penalty, p.min_tokens
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    else:
+        msg.ClearField("logprobs")
+    msg.ignore_eos = complete_stop_set
     return msg
 
 
 def params_to_dict(p: SamplingParams) -> dict:
     return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed,
-            "max_new_tokens": p.max_new_tokens, "stop_token_ids": list(p.stop_token_ids)}
+            "max_new_tokens": p.max_new_tokens, "stop_token_ids": list(p.stop_token_ids), "min_p": p.min_p,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "repetition_penalty": p.repetition_penalty, "min_tokens": p.min_tokens, "logprobs": p.logprobs}
+
+
+def logprobs_to_proto(logprobs, out) -> None:
+    """TokenLogprobs -> a repeated TokenLogprob field (nothing for None)."""
+    for lp in logprobs or ():
+        m = out.add(token_id=lp.token, logprob=lp.logprob)
+        for tok, value in lp.top:
+            m.top.add(token_id=tok, logprob=value)
+
+
+def logprobs_from_proto(field, wanted: bool, count: int, name: str) -> list[TokenLogprob] | None:
+    """A repeated TokenLogprob field -> TokenLogprobs; None when the request did not ask for them."""
+    if not wanted:
+        return None
+    if len(field) != count:
+        raise InvalidArgument(name, f"{len(field)} entries", f"must hold one per committed token ({count})")
+    return [TokenLogprob(int(m.token_id), float(m.logprob), tuple((int(t.token_id), float(t.logprob)) for t in m.top))
+            for m in field]
 
 
 def features_to_proto(features: torch.Tensor, start: int, num_layers: int,
@@ -149,7 +185,7 @@ def verify_item_from_proto(msg: types_pb2.VerifyItem, field: str) -> VerifyItem:
 
 def prefill_item_to_proto(item: PrefillItem) -> types_pb2.PrefillRequest:
     msg = types_pb2.PrefillRequest(request_id=item.request_id, prompt_token_ids=list(item.prompt_ids))
-    params_to_proto(item.params, msg.sampling)
+    params_to_proto(item.params, msg.sampling, complete_stop_set=True)  # the scheduler resolved the stop set
     return msg
 
 
@@ -217,6 +253,7 @@ def verify_result_to_proto(res: StepResult, num_layers: int, out: types_pb2.Veri
     out.status = types_pb2.ITEM_STATUS_OK
     out.num_accepted = res.num_accepted
     out.committed_token_ids.extend(res.tokens)
+    logprobs_to_proto(res.logprobs, out.logprobs)
     out.stopped = res.stopped
     if res.stopped:
         out.finish_reason = types_pb2.FINISH_REASON_STOP
@@ -226,15 +263,19 @@ def verify_result_to_proto(res: StepResult, num_layers: int, out: types_pb2.Veri
 def prefill_result_from_proto(resp: types_pb2.PrefillResponse, item: PrefillItem) -> StepResult:
     """A PrefillResponse for `item` -> the StepResult a local Verifier's prefill would have returned."""
     return StepResult(item.request_id, [resp.anchor_token_id], 0, resp.stopped,
-                      features_from_proto(resp.context_features, "context_features"), 0, list(item.prompt_ids))
+                      features_from_proto(resp.context_features, "context_features"), 0, list(item.prompt_ids),
+                      logprobs_from_proto(resp.logprobs, item.params.logprobs is not None, 1, "logprobs"))
 
 
 def verify_result_from_proto(r: types_pb2.VerifyResult, item: VerifyItem) -> StepResult:
     """An OK VerifyResult for `item` -> the StepResult a local Verifier would have returned."""
     a = r.num_accepted
+    # the verifier holds the request's parameters: logprobs come back when it asked for them (the engine
+    # checks there is one per committed token)
     return StepResult(item.request_id, list(r.committed_token_ids), a, r.stopped,
                       features_from_proto(r.context_features, "context_features"), item.anchor_pos,
-                      [item.anchor, *item.draft.tokens[:a]])
+                      [item.anchor, *item.draft.tokens[:a]],
+                      logprobs_from_proto(r.logprobs, len(r.logprobs) > 0, len(r.committed_token_ids), "logprobs"))
 
 
 def propose_item_to_proto(request_id: str, it: ProposeItem, features: torch.Tensor, start: int, tokens,

@@ -1,11 +1,15 @@
 """OpenAI-compatible HTTP on the scheduler (aiohttp): /v1/completions, /v1/chat/completions (SSE streaming
-with "stream": true), /v1/models, /health, /metrics.
+with "stream": true), /v1/models, /health, /metrics. docs/openai_api.md lists every request field.
 
 Same Frontend as the gRPC servicer, so validation, the engine path and cancellation are shared: a client
-that disconnects mid-stream cancels its request. OpenAI `stop` strings end the text before the first
-occurrence of any of them (finish_reason "stop"; the request is cancelled in the engine at that point, and
-a stream holds back a tail that could still grow into one). Errors: bad input 400, overload 429, draining
-503, with OpenAI's {"error": {...}} body. Knows nothing about Redis or pods.
+that disconnects mid-stream cancels its request. This module only parses and formats: the request's
+processing (penalties, min_p, min_tokens), its logprobs and its speculative metrics come from dspark_core.
+`n` choices are n engine requests submitted together (they share the prompt's prefill), each with a seed
+derived from the request's. OpenAI `stop` strings end the text before the first occurrence of any of them
+(finish_reason "stop"; the choice is cancelled in the engine at that point, and a stream holds back a tail
+that could still grow into one). Types are strict and unsupported fields are refused, never ignored.
+Errors: bad input 400 (naming the field), overload 429, draining 503, with OpenAI's {"error": {...}} body.
+Knows nothing about Redis or pods.
 """
 
 from __future__ import annotations
@@ -13,18 +17,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
+from dataclasses import dataclass
 
 from aiohttp import web
 
+from dspark_core.engine import speculative_metrics
 from dspark_core.errors import DSparkError, InvalidArgument, NotFound, ResourceExhausted
-from dspark_core.sampling import SamplingParams
+from dspark_core.sampling import MAX_LOGPROBS, SamplingParams
 from dspark_core.verifier import validate_prompt_ids
 
 from ..common import metrics
 from ..common.errors import Unavailable
-from .servicer import Frontend, encode_text
+from .servicer import MAX_CHOICES, Choices, Frontend, encode_text
 
 log = logging.getLogger("dspark.http")
 
@@ -47,28 +54,108 @@ def _map_error(exc: BaseException) -> web.Response:
     return _error(500, "internal error (see the server log)", "server_error")
 
 
-def _params(body: dict, f: Frontend) -> SamplingParams:
-    def num(name, default, cast=float):
-        v = body.get(name, default)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InvalidArgument(name, v, "must be a number")
-        return cast(v)
+UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "tool_choice", "function_call", "response_format",
+               "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", f.card.default_max_new_tokens))
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise InvalidArgument("max_tokens", max_tokens, "must be an integer >= 1")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InvalidArgument("seed", seed, "must be an integer")
-    stop_ids = list(f.card.eos_token_ids)
+
+def _number(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidArgument(name, v, "must be a number")
+    return float(v)
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidArgument(name, v, "must be an integer")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidArgument(name, v, f"must be an integer in [{lo}, {hi}]" if hi is not None else f"must be >= {lo}")
+    return v
+
+
+def _boolean(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidArgument(name, v, "must be a boolean (true or false)")
+    return v
+
+
+@dataclass(frozen=True)
+class Options:
+    """What an OpenAI request asks for beyond the sampling parameters of each choice."""
+
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: int | None  # None: no logprobs; K: the chosen token's and the top K
+    stops: list
+
+
+def _options(body: dict, f: Frontend, chat: bool) -> Options:
+    for name in UNSUPPORTED:
+        plain_text = name == "response_format" and body.get(name) == {"type": "text"}
+        if body.get(name) not in (None, {}, [], "") and not plain_text:
+            raise InvalidArgument(name, body[name], "is not supported by this server")
+    n = _integer(body, "n", 1, 1, MAX_CHOICES)
+    best_of = _integer(body, "best_of", None, 1, MAX_CHOICES)
+    if best_of is not None and best_of != n:
+        raise InvalidArgument("best_of", best_of, f"is not supported (only best_of = n = {n}: the n samples are "
+                                                  "returned as drawn, never ranked)")
+    stream = _boolean(body, "stream")
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not isinstance(so, dict) or set(so) - {"include_usage"}:
+            raise InvalidArgument("stream_options", so, "must be an object with include_usage")
+        if not stream:
+            raise InvalidArgument("stream_options", so, "is only allowed with stream: true")
+        include_usage = _boolean(so, "include_usage")
+    echo = False if chat else _boolean(body, "echo")
+    if chat:
+        want = _boolean(body, "logprobs")
+        top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        if top is not None and not want:
+            raise InvalidArgument("top_logprobs", top, "needs logprobs: true")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if echo and logprobs is not None:
+        raise InvalidArgument("echo", True, "cannot be combined with logprobs (prompt logprobs are not computed)")
+    return Options(n, stream, include_usage, echo, logprobs, _stop_strings(body, f))
+
+
+def _params(body: dict, f: Frontend, chat: bool, logprobs: int | None) -> SamplingParams:
+    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, max_name, f.card.default_max_new_tokens)
+    top_k = _integer(body, "top_k", 0)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
+                                                 0 <= t < f.card.vocab_size for t in stop_ids):
+        raise InvalidArgument("stop_token_ids", stop_ids, f"must be a list of token ids in [0, {f.card.vocab_size})")
+    stop = list(dict.fromkeys(stop_ids))
+    if not _boolean(body, "ignore_eos"):
+        stop += [t for t in f.card.eos_token_ids if t not in stop]
     try:
-        return SamplingParams(temperature=num("temperature", 1.0), top_p=num("top_p", 1.0),
-                              top_k=num("top_k", 0, int) if body.get("top_k", 0) != -1 else 0, seed=seed,
-                              max_new_tokens=max_tokens, stop_token_ids=tuple(stop_ids))
+        return SamplingParams(
+            temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+            top_k=0 if top_k == -1 else top_k, seed=_integer(body, "seed", None), max_new_tokens=max_tokens,
+            stop_token_ids=tuple(stop), min_p=_number(body, "min_p", 0.0),
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            min_tokens=_integer(body, "min_tokens", 0), logprobs=logprobs)
     except InvalidArgument as exc:
-        name = {"max_new_tokens": "max_tokens"}.get(exc.field, exc.field)
+        name = {"max_new_tokens": max_name}.get(exc.field, exc.field)
         raise InvalidArgument(name, exc.value, exc.requirement) from None
 
 
@@ -170,6 +257,190 @@ class StopText:
         return delta
 
 
+def _prompt_text(body: dict, f: Frontend, ids: list[int]) -> str:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    return f.tokenizer.decode(ids, skip_special_tokens=True) if f.tokenizer is not None else ""
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0  # JSON has no -inf; OpenAI's stand-in for "impossible"
+
+
+def _token_text(f: Frontend, token: int) -> str:
+    return f.tokenizer.decode([token]) if f.tokenizer is not None else f"token_id:{token}"
+
+
+def _completion_logprobs(f: Frontend, lps: list, offset: int, top: int) -> dict:
+    """The legacy completions format: parallel lists of tokens, their logprobs, top dicts, text offsets."""
+    tokens = [_token_text(f, lp.token) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in lps],
+            "top_logprobs": [{_token_text(f, t): _logprob(v) for t, v in lp.top} for lp in lps] if top else None,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(f: Frontend, lps: list) -> dict:
+    def entry(token: int, value: float) -> dict:
+        text = _token_text(f, token)
+        return {"token": text, "logprob": _logprob(value), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps], "refusal": None}
+
+
+class _ChoiceRun:
+    """What one of the n choices of a request produced so far: text cut at the stop strings, logprobs of
+    the tokens kept, the rounds' drafted and accepted counts."""
+
+    def __init__(self, index: int, f: Frontend, opts: Options, runs: Choices):
+        self.index, self.opts, self.runs = index, opts, runs
+        self.text = StopText(f.tokenizer, opts.stops)
+        self.logprobs: list = []
+        self.accepted: list[int] = []
+        self.proposed: list[int] = []
+        self.finish: str | None = None
+        self.summary: dict | None = None
+        self.sent_logprobs = 0
+        self.sent_chars = 0
+        self.started = False  # a chunk of this choice went out
+
+    def take(self, upd) -> tuple[str, list]:
+        """Record one update; returns the text delta that may go out now and the logprobs of new kept tokens."""
+        delta = self.text.push(upd.token_ids, final=upd.finished)
+        self.logprobs.extend(upd.logprobs or ())
+        if upd.round:
+            self.accepted.append(upd.round["num_accepted"])
+            self.proposed.append(upd.round["num_drafted"])
+        if self.text.hit:
+            self.finish = "stop"
+            self.runs.cancel(self.index)  # end its engine request now, not when the other choices are done
+        elif upd.finished:
+            self.finish = _FINISH.get(upd.finish_reason, upd.finish_reason)
+            self.summary = upd.summary
+        kept = len(self.text.ids) if self.opts.logprobs is not None else 0
+        new = self.logprobs[self.sent_logprobs:kept]
+        self.sent_logprobs = max(self.sent_logprobs, kept)
+        return delta, new
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def token_ids(self) -> list[int]:
+        return list(self.text.ids)
+
+
+def _usage(ids: list[int], choices: list[_ChoiceRun]) -> dict:
+    completion = sum(len(c.text.ids) for c in choices)
+    acc = [a for c in choices for a in c.accepted]
+    prop = [p for c in choices for p in c.proposed]
+    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion,
+            "speculative": speculative_metrics(acc, prop)}
+
+
+async def _next(runs: Choices, choices: list[_ChoiceRun]):
+    i, upd = await runs.next()
+    return choices[i], upd
+
+
+async def _complete(f, rid, created, chat, ids, opts, echo, choices, runs) -> web.Response:
+    try:
+        while not all(c.done for c in choices):
+            c, upd = await _next(runs, choices)
+            if not c.done:
+                c.take(upd)
+    except (DSparkError, Unavailable) as exc:
+        return _map_error(exc)
+    out = []
+    for c in choices:
+        text = echo + c.text.text
+        kept = c.logprobs[: len(c.text.ids)]
+        choice = {"index": c.index, "finish_reason": c.finish}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = _chat_logprobs(f, kept) if opts.logprobs is not None else None
+        else:
+            choice.update(text=text, logprobs=_completion_logprobs(f, kept, len(echo), opts.logprobs)
+                          if opts.logprobs is not None else None)
+        out.append(choice)
+    first = choices[0]
+    s = first.summary or {}  # no summary when a stop string cut the request short
+    ext = {"token_ids": first.token_ids(), "num_rounds": len(first.accepted), "accepted_per_round": first.accepted,
+           "tokens_per_second": s.get("tokens_per_second")}
+    if len(choices) > 1:
+        ext["choices"] = [{"token_ids": c.token_ids(), "accepted_per_round": c.accepted} for c in choices]
+    return web.json_response({
+        "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+        "model": f.card.name, "choices": out, "usage": _usage(ids, choices), "dspark": ext})
+
+
+async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs) -> web.StreamResponse:
+    # every choice's first update (or its error) comes before the headers: a refused request is a 4xx
+    early, started = [], set()
+    try:
+        while len(started) < len(choices):
+            c, upd = await _next(runs, choices)
+            started.add(c.index)
+            early.append((c, upd))
+    except (DSparkError, Unavailable) as exc:
+        return _map_error(exc)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    async def write(data: dict) -> None:
+        await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+
+    async def send(c: _ChoiceRun, upd) -> None:
+        first = not c.started  # its first chunk carries the role (and the echoed prompt)
+        c.started = True
+        delta, lps = c.take(upd)
+        if first and echo:
+            delta = echo + delta
+        if chat:
+            d = {"content": delta}
+            if first:
+                d["role"] = "assistant"
+            choice = {"index": c.index, "delta": d, "finish_reason": c.finish}
+            choice["logprobs"] = _chat_logprobs(f, lps) if opts.logprobs is not None else None
+        else:
+            choice = {"index": c.index, "text": delta, "finish_reason": c.finish,
+                      "logprobs": _completion_logprobs(f, lps, c.sent_chars, opts.logprobs)
+                      if opts.logprobs is not None else None}
+        c.sent_chars += len(delta)
+        data = {"id": rid, "object": kind, "created": created, "model": f.card.name, "choices": [choice]}
+        if c.done:  # the choice's own speculation, on its last chunk
+            data["dspark"] = {"index": c.index, "speculative": speculative_metrics(c.accepted, c.proposed)}
+        await write(data)
+
+    try:
+        for c, upd in early:
+            await send(c, upd)
+        while not all(c.done for c in choices):
+            try:
+                c, upd = await _next(runs, choices)
+            except (DSparkError, Unavailable) as exc:  # headers are out: end the stream with an error event
+                await write({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+                break
+            if not c.done:
+                await send(c, upd)
+        else:
+            if opts.include_usage:
+                await write({"id": rid, "object": kind, "created": created, "model": f.card.name, "choices": [],
+                             "usage": _usage(ids, choices)})
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:
+        pass  # the client went away: the handler's cleanup cancels its requests
+    return resp
+
+
 def make_app(f: Frontend, is_serving, redis_up=None) -> web.Application:
     """`redis_up()` (blocking; None: no Redis configured) says whether Redis answers: /health then reports
     `"redis": "up" | "unreachable"`, and `"status": "degraded"` (still 200: requests are served, coordination
@@ -201,82 +472,25 @@ def make_app(f: Frontend, is_serving, redis_up=None) -> web.Application:
             return _error(400, "request body must be a JSON object", "invalid_request_error")
         try:
             model = body.get("model") or ""
+            if not isinstance(model, str):
+                raise InvalidArgument("model", model, "must be a string")
             f.check_names(model if model != "default" else "", "", "")
             ids = _prompt_ids(body, f, chat)
-            params = _params(body, f)
-            stops = _stop_strings(body, f)
-            n = body.get("n", 1)
-            if n != 1:
-                raise InvalidArgument("n", n, "must be 1")
+            opts = _options(body, f, chat)
+            params = _params(body, f, chat, opts.logprobs)
         except DSparkError as exc:
             return _map_error(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        text_of = StopText(f.tokenizer, stops)
-        gen = f.run(rid, ids, params)
-        if not body.get("stream"):
-            last = None
-            try:
-                async for upd in gen:
-                    text_of.push(upd.token_ids, final=upd.finished)
-                    last = upd
-                    if text_of.hit:
-                        break
-            except (DSparkError, Unavailable) as exc:
-                return _map_error(exc)
-            finally:
-                await gen.aclose()  # a stop string cancels the rest of the request in the engine
-            tokens, text = text_of.ids, text_of.text
-            reason = "stop" if text_of.hit else _FINISH.get(last.finish_reason, last.finish_reason)
-            choice = {"index": 0, "finish_reason": reason}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice.update(text=text, logprobs=None)
-            s = last.summary or {}  # no summary when a stop string cut the request short
-            return web.json_response({
-                "id": rid, "object": kind, "created": created, "model": f.card.name, "choices": [choice],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                          "total_tokens": len(ids) + len(tokens)},
-                "dspark": {"token_ids": tokens, "num_rounds": s.get("num_rounds"),
-                           "accepted_per_round": s.get("accepted_per_round_list"),
-                           "tokens_per_second": s.get("tokens_per_second")}})
-        # SSE streaming
+        echo = _prompt_text(body, f, ids) if opts.echo else ""
+        runs = Choices(f, rid, ids, params, opts.n)  # the n requests join the engine together
+        choices = [_ChoiceRun(i, f, opts, runs) for i in range(opts.n)]
         try:
-            first = await gen.__anext__()
-        except (DSparkError, Unavailable) as exc:
-            return _map_error(exc)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-
-        async def send(upd, role: bool = False):
-            delta = text_of.push(upd.token_ids, final=upd.finished)
-            finish = _FINISH.get(upd.finish_reason, upd.finish_reason) if upd.finished else None
-            if text_of.hit:
-                finish = "stop"
-            if chat:
-                d = {"content": delta}
-                if role:
-                    d["role"] = "assistant"
-                choice = {"index": 0, "delta": d, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-            data = {"id": rid, "object": chunk_kind, "created": created, "model": f.card.name, "choices": [choice]}
-            await resp.write(f"data: {json.dumps(data)}\n\n".encode())
-
-        try:
-            await send(first, role=True)
-            if not first.finished and not text_of.hit:
-                async for upd in gen:
-                    await send(upd)
-                    if text_of.hit:
-                        break
-            await resp.write(b"data: [DONE]\n\n")
+            if not opts.stream:
+                return await _complete(f, rid, created, chat, ids, opts, echo, choices, runs)
+            return await _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs)
         finally:
-            await gen.aclose()  # a client that went away cancels its request
-        return resp
+            await runs.aclose()  # a client gone, or an error: cancel what still runs in the engine
 
     async def completions(request):
         return await generate(request, chat=False)

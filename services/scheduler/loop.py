@@ -43,6 +43,8 @@ class Update:
     finish_reason: str | None = None
     summary: dict | None = None
     error: BaseException | None = None
+    # one dspark_core TokenLogprob per token of token_ids when the request asked for logprobs
+    logprobs: list | None = None
 
 
 @dataclass
@@ -143,6 +145,13 @@ class EngineLoop:
         self._commands.put(("add", prompt_ids, params, request_id, sink, fut, span_context, adopted))
         return fut
 
+    def submit_group(self, entries: list[tuple]) -> list[Future]:
+        """Several `submit(*entry)` calls handled in one go, so the requests join the engine in the same
+        step (the n choices of one request: the verifier then prefills their shared prompt once)."""
+        futures = [Future() for _ in entries]
+        self._commands.put(("group", [(*e, fut) for e, fut in zip(entries, futures)]))
+        return futures
+
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
 
@@ -167,7 +176,10 @@ class EngineLoop:
             self._periodic()
 
     def _handle(self, cmd) -> None:
-        if cmd[0] == "add":
+        if cmd[0] == "group":
+            for prompt_ids, params, rid, sink, span_context, adopted, fut in cmd[1]:
+                self._handle(("add", prompt_ids, params, rid, sink, fut, span_context, adopted))
+        elif cmd[0] == "add":
             _, prompt_ids, params, rid, sink, fut, span_context, adopted = cmd
             try:
                 self.engine.add_request(prompt_ids, params, request_id=rid)
@@ -227,7 +239,8 @@ class EngineLoop:
             if t is None:
                 continue
             req = self.engine.requests[ev.request_id]
-            upd = Update(ev.request_id, list(ev.new_token_ids))
+            upd = Update(ev.request_id, list(ev.new_token_ids),
+                         logprobs=None if ev.logprobs is None else list(ev.logprobs))
             self._trace_round(t, req, t_step, len(ev.new_token_ids))
             if req.num_rounds > t.rounds_seen:
                 t.rounds_seen = req.num_rounds
@@ -311,7 +324,8 @@ class EngineLoop:
                 "accepted_per_round": sum(req.accepted_per_round) / rounds if rounds else 0.0,
                 "tokens_per_round": (sum(req.accepted_per_round) + rounds) / rounds if rounds else 0.0,
                 "tokens_per_second": n / max(elapsed, 1e-9), "time_to_first_token_seconds": first,
-                "elapsed_seconds": elapsed, "token_ids": adopted + list(req.output_ids)}
+                "elapsed_seconds": elapsed, "token_ids": adopted + list(req.output_ids),
+                "speculative": req.speculative_metrics()}
 
     def _periodic(self) -> None:
         metrics.REQUESTS_RUNNING.set(len(self.engine.active))

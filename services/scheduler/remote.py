@@ -175,7 +175,7 @@ class RemoteVerifier:
             pod = req.pod if same_pod and req.pod is not None and req.pod.alive else self.pool.pick(exclude=exclude)
             msg = types_pb2.ResumeRequest(request_id=request_id, prompt_token_ids=req.prompt,
                                           generated_token_ids=gen, include_context_features=include_features)
-            params_to_proto(req.params, msg.sampling)
+            params_to_proto(req.params, msg.sampling, complete_stop_set=True)
             try:
                 resp = pod.stub.Resume(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
             except grpc.RpcError as exc:

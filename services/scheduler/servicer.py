@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from dspark_core.errors import InvalidArgument
@@ -18,7 +19,7 @@ from dspark_core.scheduling import POLICY_ALIASES
 from dspark_core.verifier import validate_prompt_ids
 from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
 
-from ..common.convert import FINISH_REASONS, params_from_proto
+from ..common.convert import FINISH_REASONS, logprobs_to_proto, params_from_proto
 from ..common.errors import Unavailable
 from ..common.tracing import tracer
 from .loop import EngineLoop, Update
@@ -111,12 +112,13 @@ class Frontend:
             raise InvalidArgument("request_id", rid, "has a checkpoint with a different prompt")
         return list(ck.get("generated", []))
 
-    async def run(self, rid: str, prompt_ids: list[int], params, client_id: bool = False):
+    async def run(self, rid: str, prompt_ids: list[int], params, client_id: bool = False, submit=None):
         """Async iterator of Updates for one request; cancels it in the engine if the consumer goes away.
 
         With a client-chosen id whose scheduler is gone, the request is adopted from its checkpoint: the
         committed tokens but the last are replayed, and the engine prefills prompt + those (the last one,
-        the anchor, is sampled again: for greedy requests it comes back identical).
+        the anchor, is sampled again: for greedy requests it comes back identical). `submit` replaces
+        `self.loop.submit` (Choices hands the n choices to the engine together).
         """
         if self.draining:
             raise Unavailable("scheduler is draining; retry on another replica")
@@ -132,8 +134,9 @@ class Frontend:
         # one trace per request: this span (a child of the RPC's server span, if any) parents every round
         span = tracer.start_span("generate", attributes={"dspark.request_id": rid,
                                                          "dspark.prompt_tokens": len(prompt_ids)})
-        fut = self.loop.submit(prompt_ids, params, rid, lambda u: aloop.call_soon_threadsafe(q.put_nowait, u),
-                               span.get_span_context(), adopted=len(prefix))
+        fut = (submit or self.loop.submit)(prompt_ids, params, rid,
+                                           lambda u: aloop.call_soon_threadsafe(q.put_nowait, u),
+                                           span.get_span_context(), len(prefix))
         done = submitted = False
         try:
             await asyncio.wrap_future(fut)
@@ -154,6 +157,71 @@ class Frontend:
                 self.loop.cancel(rid)
 
 
+MAX_CHOICES = 16  # n at most, on gRPC and HTTP
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index` of a seeded request: choice 0 uses the seed itself (n = 1 equals a plain request),
+    the others a seed mixed from (seed, index), so the n samples are independent and reproducible."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
+
+
+class Choices:
+    """The n choices of one request: n engine requests submitted together (so the verifier prefills the
+    shared prompt once), choice i seeded by `choice_seed`, their updates merged in arrival order.
+
+    `next()` returns (index, Update) or raises the error that ended a choice; `cancel(i)` ends one choice
+    (a stop string cut it) and `aclose()` all of them, freeing their state in the engine.
+    """
+
+    def __init__(self, f: "Frontend", rid: str, prompt_ids: list[int], params, n: int, client_id: bool = False):
+        if not 1 <= n <= MAX_CHOICES:
+            raise InvalidArgument("n", n, f"must be an integer in [1, {MAX_CHOICES}]")
+        self.request_ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop, self._n, self._held = f.loop, n, []
+        self._tasks = [asyncio.create_task(self._pump(i, f.run(
+            self.request_ids[i], prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+            client_id=client_id and n == 1, submit=self._submit if n > 1 else None))) for i in range(n)]
+
+    def _submit(self, *entry) -> Future:
+        """Hold each choice's submission until all n are in, then hand them to the engine in one command."""
+        mine: Future = Future()
+        self._held.append((entry, mine))
+        if len(self._held) == self._n:
+            for (_, m), theirs in zip(self._held, self._loop.submit_group([e for e, _ in self._held])):
+                theirs.add_done_callback(lambda t, m=m: m.set_exception(t.exception()) if t.exception()
+                                         else m.set_result(t.result()))
+        return mine
+
+    async def _pump(self, index: int, gen) -> None:
+        try:
+            async for upd in gen:
+                self._queue.put_nowait((index, upd, None))
+                if upd.finished:
+                    break
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which answers for this request only
+            self._queue.put_nowait((index, None, exc))
+        finally:
+            await gen.aclose()
+
+    async def next(self) -> tuple[int, Update]:
+        index, upd, exc = await self._queue.get()
+        if exc is not None:
+            raise exc
+        return index, upd
+
+    def cancel(self, index: int) -> None:
+        self._tasks[index].cancel()
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
 def _round_proto(r: dict | None, out) -> None:
     if r:
         out.CopyFrom(types_pb2.RoundStats(round_index=r["index"], num_drafted=r["num_drafted"],
@@ -162,11 +230,14 @@ def _round_proto(r: dict | None, out) -> None:
 
 
 def _summary_proto(s: dict, out) -> None:
+    spec = s["speculative"]
     out.CopyFrom(types_pb2.GenerationSummary(
         prompt_tokens=s["prompt_tokens"], completion_tokens=s["completion_tokens"], num_rounds=s["num_rounds"],
         accepted_per_round=s["accepted_per_round"], tokens_per_round=s["tokens_per_round"],
         tokens_per_second=s["tokens_per_second"], time_to_first_token_seconds=s["time_to_first_token_seconds"],
-        elapsed_seconds=s["elapsed_seconds"]))
+        elapsed_seconds=s["elapsed_seconds"], num_draft_tokens=spec["num_draft_tokens"],
+        num_accepted_tokens=spec["num_accepted_tokens"], accepted_per_position=spec["accepted_per_position"],
+        mean_verification_length=spec["mean_verification_length"]))
 
 
 class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
@@ -180,37 +251,52 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
     async def Generate(self, request, context):
         self._ready()
         rid, ids, params = self.f.parse(request)
-        detok = Detokenizer(self.f.tokenizer)
-        finished = False
+        n = request.n or 1
+        choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id))
+        detoks = [Detokenizer(self.f.tokenizer) for _ in range(n)]
+        finished = 0
         try:
-            async for upd in self.f.run(rid, ids, params, client_id=bool(request.request_id)):
-                chunk = types_pb2.GenerateResponse(request_id=rid, token_ids=upd.token_ids,
-                                                   text_delta=detok.push(upd.token_ids, final=upd.finished))
+            while finished < n:
+                i, upd = await choices.next()
+                chunk = types_pb2.GenerateResponse(request_id=choices.request_ids[i], token_ids=upd.token_ids,
+                                                   text_delta=detoks[i].push(upd.token_ids, final=upd.finished),
+                                                   choice_index=i)
                 _round_proto(upd.round, chunk.round)
+                logprobs_to_proto(upd.logprobs, chunk.logprobs)
                 if upd.finished:
-                    finished = True
+                    finished += 1
                     chunk.finish_reason = FINISH_REASONS.get(upd.finish_reason, types_pb2.FINISH_REASON_UNSPECIFIED)
                     _summary_proto(upd.summary, chunk.summary)
                 yield chunk
         finally:
-            if not finished:  # client went away (or the stream failed): free the request everywhere
-                self.f.loop.cancel(rid)
+            await choices.aclose()  # client went away (or the stream failed): free every choice everywhere
 
     async def GenerateUnary(self, request, context):
         self._ready()
         rid, ids, params = self.f.parse(request)
-        tokens, last = [], None
+        n = request.n or 1
+        choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id))
+        tokens, logprobs, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
         try:
-            async for upd in self.f.run(rid, ids, params, client_id=bool(request.request_id)):
-                tokens.extend(upd.token_ids)
-                last = upd
+            while not all(u is not None and u.finished for u in last):
+                i, upd = await choices.next()
+                tokens[i].extend(upd.token_ids)
+                logprobs[i].extend(upd.logprobs or ())
+                last[i] = upd
         finally:
-            if last is None or not last.finished:
-                self.f.loop.cancel(rid)
-        text = self.f.tokenizer.decode(tokens, skip_special_tokens=True) if self.f.tokenizer else ""
-        resp = types_pb2.GenerateUnaryResponse(request_id=rid, text=text, token_ids=tokens,
-                                               finish_reason=FINISH_REASONS.get(last.finish_reason, 0))
-        _summary_proto(last.summary, resp.summary)
+            await choices.aclose()
+        out = []
+        for i in range(n):
+            text = self.f.tokenizer.decode(tokens[i], skip_special_tokens=True) if self.f.tokenizer else ""
+            c = types_pb2.GenerateChoice(index=i, text=text, token_ids=tokens[i],
+                                         finish_reason=FINISH_REASONS.get(last[i].finish_reason, 0))
+            _summary_proto(last[i].summary, c.summary)
+            logprobs_to_proto(logprobs[i], c.logprobs)
+            out.append(c)
+        first = out[0]
+        resp = types_pb2.GenerateUnaryResponse(request_id=rid, text=first.text, token_ids=first.token_ids,
+                                               finish_reason=first.finish_reason, summary=first.summary,
+                                               logprobs=first.logprobs, choices=out if n > 1 else [])
         return resp
 
     async def ListModels(self, request, context):

@@ -23,8 +23,8 @@ from dspark_protos.tensors import TORCH_TO_DTYPE
 from ..common import metrics
 from ..common.batcher import Coalescer
 from ..common.errors import Unavailable
-from ..common.convert import (features_to_proto, params_from_proto, prefill_item_from_proto, verify_item_from_proto,
-                              verify_result_to_proto)
+from ..common.convert import (features_to_proto, logprobs_to_proto, params_from_proto, prefill_item_from_proto,
+                              verify_item_from_proto, verify_result_to_proto)
 from ..common.heartbeat import Ewma
 
 _S = "verifier"
@@ -184,6 +184,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
                                          anchor_position=len(item.prompt_ids), stopped=res.stopped)
         if res.stopped:
             resp.finish_reason = types_pb2.FINISH_REASON_STOP
+        logprobs_to_proto(res.logprobs, resp.logprobs)
         features_to_proto(res.features, 0, self.num_layers, resp.context_features)
         resp.stats.CopyFrom(types_pb2.StepStats(num_requests=1, num_tokens=len(item.prompt_ids),
                                                 forward_seconds=dt, queue_seconds=queued))
@@ -232,6 +233,8 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         params = params_from_proto(request.sampling, self.target.eos_token_ids)
         if (fresh and res.stopped) or (not fresh and anchor in params.stop_token_ids):
             resp.stopped, resp.finish_reason = True, types_pb2.FINISH_REASON_STOP
+        if fresh:
+            logprobs_to_proto(res.logprobs, resp.logprobs)
         if fresh or request.include_context_features:
             features_to_proto(res.features, 0, self.num_layers, resp.context_features)
         return resp

@@ -8,6 +8,7 @@ target joint. The default run uses 100,000 draws across all cases; `-m slow` run
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -16,8 +17,9 @@ import pytest
 import torch
 
 from dspark_core.errors import InvalidArgument
-from dspark_core.sampling import SamplingParams, make_generator, sample_token, target_probs
-from dspark_core.verification import DraftBlock, VerifyOutcome, verify_batch, verify_block
+from dspark_core.sampling import (SamplingParams, TokenHistory, make_generator, process_logits, sample_token,
+                                  target_probs)
+from dspark_core.verification import DraftBlock, VerifyOutcome, process_draft, verify_batch, verify_block
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -368,12 +370,17 @@ def _total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
+def _expected_noise(dist: torch.Tensor, draws: int) -> float:
+    """The total variation that `draws` samples of `dist` are expected to show by chance alone."""
+    return float((0.5 * (2 * dist * (1 - dist) / (math.pi * draws)).sqrt()).sum())
+
+
 def _check_lossless(case: ToyCase, draws: int, tolerance: float) -> None:
     pair = ToyPair(case)
     target, draft = pair.joint(pair.target), pair.joint(pair.draft)
     # The case must be worth testing: a draft far from the target, and sampling noise well under tolerance.
     assert _total_variation(target, draft) > 0.2
-    expected_noise = float((0.5 * (2 * target * (1 - target) / (math.pi * draws)).sqrt()).sum())
+    expected_noise = _expected_noise(target, draws)
     assert expected_noise < 0.7 * tolerance
     empirical = pair.first_two_counts(draws) / draws
     to_target, to_draft = _total_variation(empirical, target), _total_variation(empirical, draft)
@@ -394,3 +401,151 @@ def test_first_two_tokens_follow_the_target_not_the_draft(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_first_two_tokens_follow_the_target_not_the_draft_full_size(case):
     _check_lossless(case, draws=120_000, tolerance=0.01)
+
+
+# ------------------------------------------------------------- statistics with the request's own processing
+
+@dataclass(frozen=True)
+class ProcessedCase:
+    name: str
+    vocab_size: int
+    params: SamplingParams
+    draft_k: int
+    draft_lengths: tuple[int, ...]
+    seed: int
+    prompt: tuple[int, ...] = (2, 3)
+    anchor: int = 1
+
+
+PROCESSED_CASES = [
+    ProcessedCase("penalties-dense-draft", 8, SamplingParams(repetition_penalty=1.6, frequency_penalty=0.9,
+                                                             presence_penalty=0.6), 8, (1, 2, 3), 10),
+    ProcessedCase("min-p-top-k-presence", 10, SamplingParams(temperature=0.8, top_k=7, min_p=0.15,
+                                                             presence_penalty=1.2), 6, (1, 2), 11),
+    ProcessedCase("min-tokens-frequency-empty-blocks", 8, SamplingParams(
+        temperature=1.2, frequency_penalty=1.5, min_tokens=3, stop_token_ids=(0, 4)), 5, (0, 1, 2, 3), 12),
+]
+
+
+def _unprocessed(params: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                               min_p=0.0, min_tokens=0)
+
+
+class ProcessedPair(ToyPair):
+    """ToyPair whose target is processed with the request's penalties / min-p / min_tokens given the history
+    (prompt, anchor, then what the round emitted), and whose drafts go through `process_draft` first."""
+
+    def __init__(self, case: ProcessedCase):
+        super().__init__(ToyCase(case.name, case.vocab_size, _unprocessed(case.params), case.draft_k,
+                                 case.draft_lengths, case.seed))
+        self.pcase = case
+
+    def history(self, emitted: tuple[int, ...]) -> TokenHistory:
+        return TokenHistory(self.pcase.prompt, (self.pcase.anchor, *emitted))
+
+    def processed_joint(self, params: SamplingParams) -> torch.Tensor:
+        """Exact joint [V * V] of the first two tokens after the anchor under the processed target."""
+        def dist(row: int, emitted: tuple[int, ...]) -> torch.Tensor:
+            logits = process_logits(self.logits[row][None, :], params, self.history(emitted))
+            return target_probs(logits, params)[0].double()
+
+        first = dist(1 + self.pcase.anchor, ())
+        second = torch.stack([dist(1 + t, (t,)) for t in range(self.pcase.vocab_size)])
+        return (first[:, None] * second).flatten()
+
+    def processed_counts(self, draws: int) -> torch.Tensor:
+        case, params = self.pcase, self.pcase.params
+        rng = random.Random(case.seed)
+        verify_gen, draft_gen = make_generator(case.seed), make_generator(case.seed + 1)
+        counts = [0] * (case.vocab_size * case.vocab_size)
+        for _ in range(draws):
+            emitted: list[int] = []
+            while len(emitted) < 2:
+                row = 1 + (emitted[-1] if emitted else case.anchor)
+                tokens, r = [], row
+                for _ in range(rng.choice(case.draft_lengths)):  # the raw drafter, conditioned on its own drafts
+                    t = self.draft_token(r, rng)
+                    tokens.append(t)
+                    r = 1 + t
+                rows = torch.tensor([row] + [1 + t for t in tokens[:-1]] if tokens else [row])
+                raw = DraftBlock(tuple(tokens), self.draft_ids[rows[: len(tokens)]],
+                                 self.draft_probs[rows[: len(tokens)]])
+                history = self.history(tuple(emitted))
+                block = process_draft(raw, params, history, draft_gen)
+                logits = self.logits[torch.tensor([row] + [1 + t for t in block.tokens])]
+                emitted += verify_block(logits, block, params, verify_gen, history).tokens
+            counts[emitted[0] * case.vocab_size + emitted[1]] += 1
+        return torch.tensor(counts, dtype=torch.float64)
+
+
+def _check_processed_lossless(case: ProcessedCase, draws: int, tolerance: float) -> None:
+    pair = ProcessedPair(case)
+    processed = pair.processed_joint(case.params)
+    plain = pair.processed_joint(_unprocessed(case.params))
+    expected_noise = _expected_noise(processed, draws)
+    assert expected_noise < 0.7 * tolerance
+    # worth testing: the processing moves the target far, and the raw draft is far from the processed target
+    assert _total_variation(processed, plain) > 0.1
+    empirical = pair.processed_counts(draws) / draws
+    to_processed, to_plain = _total_variation(empirical, processed), _total_variation(empirical, plain)
+    assert to_processed <= tolerance, (case.name, to_processed, expected_noise)
+    assert to_processed < to_plain / 10, (case.name, to_processed, to_plain)
+    if case.params.min_tokens >= 3:  # no stop token among the first two tokens after the anchor
+        grid = empirical.view(case.vocab_size, -1)
+        assert all(float(grid[s].sum()) == 0 and float(grid[:, s].sum()) == 0 for s in case.params.stop_token_ids)
+
+
+@pytest.mark.parametrize("case", PROCESSED_CASES, ids=lambda c: c.name)
+def test_processed_tokens_follow_the_processed_target_not_the_plain_one(case):
+    _check_processed_lossless(case, draws=6_000, tolerance=0.01 * math.sqrt(120_000 / 6_000))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PROCESSED_CASES, ids=lambda c: c.name)
+def test_processed_tokens_follow_the_processed_target_full_size(case):
+    _check_processed_lossless(case, draws=120_000, tolerance=0.01)
+
+
+def test_process_draft_keeps_the_drafts_the_processing_leaves_alone():
+    # with nothing generated that the penalties touch and min-p below every token, q' = q: every draft kept
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    ids = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
+    block = DraftBlock((2, 3), ids, probs)
+    params = SamplingParams(presence_penalty=1.0, min_p=0.01)
+    out = process_draft(block, params, TokenHistory((), (0,)), make_generator(0))
+    assert out.tokens[0] == 2  # slot 1 only penalises token 0 (generated): q'(2) > q(2), always kept
+    assert torch.allclose(out.support_probs[0], torch.tensor([0.4 * math.exp(-1), 0.3, 0.2, 0.1]) /
+                          (0.4 * math.exp(-1) + 0.6))
+
+
+def test_process_draft_never_drafts_a_stop_token_before_min_tokens():
+    probs = torch.tensor([[0.9, 0.1]])
+    block = DraftBlock((0,), torch.tensor([[0, 1]]), probs)
+    params = SamplingParams(min_tokens=5, stop_token_ids=(0,))
+    for seed in range(20):
+        out = process_draft(block, params, TokenHistory((), (1,)), make_generator(seed))
+        assert out.tokens == (1,) and out.support_probs[0].tolist() == [0.0, 1.0]
+
+
+def test_processing_without_a_history_is_refused_not_ignored():
+    with pytest.raises(InvalidArgument, match="history"):
+        verify_block(torch.zeros(1, 4), DraftBlock(()), SamplingParams(presence_penalty=0.5), make_generator(0))
+
+
+def test_process_draft_gives_the_same_q_for_a_full_vocabulary_support_in_any_order():
+    # the id-ordered full support (the drafters' default) takes a shortcut; a permuted one the general path
+    gen = torch.Generator().manual_seed(5)
+    q = torch.rand(3, 12, generator=gen).softmax(dim=-1)  # [3, 12]
+    order = torch.randperm(12, generator=gen)
+    params = SamplingParams(temperature=0.7, repetition_penalty=1.5, frequency_penalty=0.5, min_p=0.05,
+                            min_tokens=3, stop_token_ids=(4, 7))
+    history = TokenHistory((1, 2, 9), (2, 5))
+    tokens = tuple(int(t) for t in q.argmax(dim=-1))
+    ordered = DraftBlock(tokens, torch.arange(12).expand(3, 12), q)
+    permuted = DraftBlock(tokens, order.expand(3, 12), q[:, order])
+    a = process_draft(ordered, params, history, make_generator(1))
+    b = process_draft(permuted, params, history, make_generator(1))
+    # the first slot's q' (it depends on the history only, not on re-drawn tokens) is the same in any order
+    assert torch.allclose(a.support_probs[0][order], b.support_probs[0], atol=1e-6)
+    assert float(a.support_probs[0][4]) == 0.0 and float(a.support_probs[0][7]) == 0.0  # min_tokens

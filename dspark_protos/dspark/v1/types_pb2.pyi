@@ -95,20 +95,52 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop_token_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop_token_ids", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "ignore_eos")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+    logprobs: int
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ContextFeatures(_message.Message):
     __slots__ = ("start_position", "hidden_states")
@@ -131,7 +163,7 @@ class StepStats(_message.Message):
     def __init__(self, num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_text", "prompt_token_ids", "model", "sampling", "drafter", "policy", "request_id")
+    __slots__ = ("prompt_text", "prompt_token_ids", "model", "sampling", "drafter", "policy", "request_id", "n")
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +171,7 @@ class GenerateRequest(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     prompt_text: str
     prompt_token_ids: TokenIds
     model: str
@@ -146,26 +179,31 @@ class GenerateRequest(_message.Message):
     drafter: str
     policy: str
     request_id: str
-    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., policy: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., policy: _Optional[str] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text_delta", "round", "finish_reason", "summary")
+    __slots__ = ("request_id", "token_ids", "text_delta", "round", "finish_reason", "summary", "logprobs", "choice_index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
     round: RoundStats
     finish_reason: FinishReason
     summary: GenerationSummary
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., round: _Optional[_Union[RoundStats, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., summary: _Optional[_Union[GenerationSummary, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    choice_index: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., round: _Optional[_Union[RoundStats, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., summary: _Optional[_Union[GenerationSummary, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., choice_index: _Optional[int] = ...) -> None: ...
 
 class GenerateUnaryRequest(_message.Message):
-    __slots__ = ("prompt_text", "prompt_token_ids", "model", "sampling", "drafter", "policy", "request_id")
+    __slots__ = ("prompt_text", "prompt_token_ids", "model", "sampling", "drafter", "policy", "request_id", "n")
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +211,7 @@ class GenerateUnaryRequest(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     prompt_text: str
     prompt_token_ids: TokenIds
     model: str
@@ -180,21 +219,42 @@ class GenerateUnaryRequest(_message.Message):
     drafter: str
     policy: str
     request_id: str
-    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., policy: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., policy: _Optional[str] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateUnaryResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "summary")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "summary", "logprobs", "choices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     summary: GenerationSummary
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., summary: _Optional[_Union[GenerationSummary, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    choices: _containers.RepeatedCompositeFieldContainer[GenerateChoice]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., summary: _Optional[_Union[GenerationSummary, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., choices: _Optional[_Iterable[_Union[GenerateChoice, _Mapping]]] = ...) -> None: ...
+
+class GenerateChoice(_message.Message):
+    __slots__ = ("index", "text", "token_ids", "finish_reason", "summary", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    summary: GenerationSummary
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., summary: _Optional[_Union[GenerationSummary, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
     __slots__ = ("round_index", "num_drafted", "num_verified", "num_accepted", "num_committed", "verify_batch_tokens", "draft_seconds", "verify_seconds")
@@ -217,7 +277,7 @@ class RoundStats(_message.Message):
     def __init__(self, round_index: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_verified: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_committed: _Optional[int] = ..., verify_batch_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerationSummary(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "num_rounds", "accepted_per_round", "tokens_per_round", "tokens_per_second", "time_to_first_token_seconds", "elapsed_seconds")
+    __slots__ = ("prompt_tokens", "completion_tokens", "num_rounds", "accepted_per_round", "tokens_per_round", "tokens_per_second", "time_to_first_token_seconds", "elapsed_seconds", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "mean_verification_length")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +286,10 @@ class GenerationSummary(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_VERIFICATION_LENGTH_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     num_rounds: int
@@ -234,7 +298,11 @@ class GenerationSummary(_message.Message):
     tokens_per_second: float
     time_to_first_token_seconds: float
     elapsed_seconds: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., accepted_per_round: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., elapsed_seconds: _Optional[float] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    mean_verification_length: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., accepted_per_round: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., elapsed_seconds: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_verification_length: _Optional[float] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -277,7 +345,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "anchor_token_id", "anchor_position", "context_features", "stopped", "finish_reason", "stats")
+    __slots__ = ("request_id", "anchor_token_id", "anchor_position", "context_features", "stopped", "finish_reason", "stats", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +353,7 @@ class PrefillResponse(_message.Message):
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     anchor_token_id: int
     anchor_position: int
@@ -292,7 +361,8 @@ class PrefillResponse(_message.Message):
     stopped: bool
     finish_reason: FinishReason
     stats: StepStats
-    def __init__(self, request_id: _Optional[str] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., stopped: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., stopped: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -323,7 +393,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "status", "error_message", "num_accepted", "committed_token_ids", "stopped", "finish_reason", "context_features")
+    __slots__ = ("request_id", "status", "error_message", "num_accepted", "committed_token_ids", "stopped", "finish_reason", "context_features", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +402,7 @@ class VerifyResult(_message.Message):
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: ItemStatus
     error_message: str
@@ -340,7 +411,8 @@ class VerifyResult(_message.Message):
     stopped: bool
     finish_reason: FinishReason
     context_features: ContextFeatures
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., error_message: _Optional[str] = ..., num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., stopped: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., error_message: _Optional[str] = ..., num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., stopped: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "generated_token_ids", "include_context_features")
@@ -357,7 +429,7 @@ class ResumeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., include_context_features: _Optional[bool] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
-    __slots__ = ("request_id", "anchor_token_id", "anchor_position", "context_features", "stopped", "finish_reason", "stats")
+    __slots__ = ("request_id", "anchor_token_id", "anchor_position", "context_features", "stopped", "finish_reason", "stats", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +437,7 @@ class ResumeResponse(_message.Message):
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     anchor_token_id: int
     anchor_position: int
@@ -372,7 +445,8 @@ class ResumeResponse(_message.Message):
     stopped: bool
     finish_reason: FinishReason
     stats: StepStats
-    def __init__(self, request_id: _Optional[str] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., stopped: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., stopped: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifierServiceReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
