@@ -120,9 +120,9 @@ def test_the_scheduler_loop_publishes_the_larger_of_the_objective_and_the_reques
     from services.scheduler.loop import EngineLoop
 
     target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
-    engine = Engine(target, None, EngineConfig(policy="ar"), sps=SPS)
     pods = {"verifier": [(64, 150), (64, 150)], "drafter": []}
-    loop = EngineLoop(engine, None, pods_capacity=lambda: pods, target_user_tps=82.0)
+    loop = EngineLoop(lambda observer: Engine(target, None, EngineConfig(policy="ar"), sps=SPS, observer=observer),
+                      None, pods_capacity=lambda: pods, target_user_tps=82.0)
     loop._publish_load()
     want = plan_replicas([], 300, SPS, 82.0, has_drafter=False, current=(2, 1)).verifiers
     by_count = math.ceil(300 / (0.8 * 64))
