@@ -45,11 +45,73 @@ def add_parser(sub) -> None:
                    help="directory to write calibration.json to (default: the drafter's install location: beside a "
                         "drafter of your own, $DSPARK_HOME/models/NAME for a shipped one; the commands and services "
                         "read it from there)")
+    p.add_argument("--online", default=None, metavar="ROUNDS.jsonl",
+                   help="refit from rounds a scheduler recorded while serving (`dspark serve ... --record-rounds`) "
+                        "instead of running rollouts: the confidences it used and what the target accepted; "
+                        "no --dataset, no model is loaded")
     p.set_defaults(func=run)
+
+
+def run_online(args) -> int:
+    """`--online`: STS refit on served rounds, on top of the temperatures they were served with."""
+    from dspark_core import calibration as cal
+    from dspark_core.drafters.config import load_config
+    from dspark_core.monitoring import read_rounds, refit_temperatures
+
+    from .models import find_generated, resolve_drafter_path
+
+    if args.dataset or args.prompt_ids_file:
+        raise InvalidArgument("--online", args.online, "refits from recorded rounds; give no --dataset with it")
+    path = resolve_drafter_path(args.drafter, args.drafter_path)
+    if path is None:
+        raise InvalidArgument("--drafter", None, "is required (a shipped name or --drafter-path DIR)")
+    if not Path(args.online).is_file():
+        raise InvalidArgument("--online", args.online, "must be a file of recorded rounds")
+    # the temperatures the rounds were served with: where the commands and services read them
+    config = load_config(Path(path), find_generated(path, "calibration.json"))
+    if not config.enable_confidence_head:
+        raise InvalidArgument("--drafter", Path(path).name, "has no confidence head; only DSpark drafters calibrate")
+    name = Path(path).name
+    records = read_rounds(args.online)
+    mine = [r for r in records if r.drafter == name]
+    if not mine:
+        raise InvalidArgument("--online", args.online, f"holds no rounds of drafter {name!r} "
+                              f"(found: {sorted({r.drafter for r in records})[:5]})")
+    result = {"drafter": name, "drafter_path": str(path), "rounds_file": str(args.online), "regimes": {}}
+    for greedy in (False, True):
+        rows = [r for r in mine if r.greedy == greedy]
+        if not rows or (greedy and not config.greedy_confidence_head):
+            continue
+        old = config.sts_temperatures_greedy if greedy else config.sts_temperatures
+        temps, table = refit_temperatures(rows, old, min_rounds=args.min_rounds)
+        regime = {"rounds": len(rows), "temperatures_before": list(old), "temperatures": list(temps), "table": table}
+        if not args.dry_run:
+            meta = {"online_rounds": len(rows), "rounds_file": str(args.online),
+                    "ece_survival_before": [r["ece_survival_raw"] for r in table],
+                    "ece_survival_after": [r["ece_survival_sts"] for r in table]}
+            out = Path(args.out) if args.out else generated_dir(path)
+            regime["written"] = str(cal.write_calibration(out, temps, {"fitted_on": meta}, greedy=greedy,
+                                                          base_dir=path))
+        result["regimes"]["greedy" if greedy else "sampled"] = regime
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        for key, reg in result["regimes"].items():
+            print(f"online STS for {name} ({key}, {reg['rounds']} recorded rounds): temperatures "
+                  + " ".join(f"{a:.3f}->{b:.3f}" for a, b in zip(reg["temperatures_before"], reg["temperatures"])))
+            for row in reg["table"]:
+                print(f"  k={row['position']} rounds {row['rounds']:6d}  ECE served {row['ece_survival_raw']:.3f}"
+                      f"  refit {row['ece_survival_sts']:.3f}")
+            if "written" in reg:
+                print(f"wrote {reg['written']}")
+    return 0
 
 
 def run(args) -> int:
     import torch
+
+    if args.online:
+        return run_online(args)
 
     from dspark_core import calibration as cal
     from dspark_core.drafters.layers import matmul_dtype_name

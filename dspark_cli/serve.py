@@ -81,5 +81,7 @@ def _run_all(args) -> int:
         served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
         policy=args.policy, block_size=args.block_size, max_active=args.max_active, max_waiting=args.max_waiting,
         default_max_new_tokens=args.default_max_new_tokens, profile_budget_s=args.sps_profile_seconds,
-        http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id)
+        http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
+        calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
+        record_rounds=args.record_rounds)
     return flags.run_app(lambda: SchedulerApp(cfg))

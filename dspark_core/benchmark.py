@@ -139,8 +139,13 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
 
     if policy == "ar":
         drafter = None
+    from .cost_model import SpsTable
+
+    # the cost-driven policies read the live table: the profile corrected by every pass of this run
+    online = policy in SPS_POLICIES and isinstance(sps, SpsTable)
     return Engine(target, drafter, EngineConfig(policy=policy, block_size=settings.block_size,
-                                                max_active=concurrency, max_waiting=max(1024, concurrency)),
+                                                max_active=concurrency, max_waiting=max(1024, concurrency),
+                                                online_sps=online),
                   sps=sps if policy in SPS_POLICIES else None)
 
 

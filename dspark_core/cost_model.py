@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -508,3 +509,194 @@ def profile_sps(
         context_length=context_length,
         model=model,
     )
+
+
+# -- the live table ----------------------------------------------------------------------------------
+
+# batch sizes at which the online table keeps its corrections (about 1.4x apart); a measured pass at B
+# counts for the nearest one in log space, so a few steps anywhere in a region refresh that region
+_ONLINE_KNOTS = (1, 2, 3, 4, 6, 8, 11, 16, 22, 32, 45, 64, 90, 128, 181, 256, 362, 512, 724, 1024, 1448, 2048,
+                 2896, 4096, 5793, 8192, 11585, 16384)
+# context-length buckets (tokens of context per request in the pass): step time grows with attention
+DEFAULT_CONTEXT_BUCKETS = (0, 512, 2048, 8192, 32768)
+
+
+class OnlineSpsTable:
+    """SPS(B) kept true online: a prior table (from `dspark profile`) corrected by every real forward pass.
+
+    Each measured pass (tokens B, seconds, mean context length) gives a ratio r = seconds / prior step
+    time at B, filed at the nearest correction knot (`_ONLINE_KNOTS`, log spaced) of its context bucket.
+    The live step time at any B is the prior's times the median of the last `window` ratios at the nearest
+    knots (interpolated in between; a knot with no data takes its nearest measured neighbour's, a bucket
+    with no data its nearest measured bucket's, nothing measured = the prior), then made monotone in B
+    (`monotone`).
+
+    Outliers: a ratio outside [1 / max_ratio, max_ratio] is dropped (a broken clock); one more than
+    `spike` x the knot's current median, or less than 1 / spike of it, is held back; after `persist` such
+    samples in a row the next one is a regime change, not a spike: the knot restarts from the held ones.
+    A median over a window already ignores a lone spike; the spike filter keeps a burst of them out too.
+
+    Exploration: `stale_batch(lo, hi, context)` names a knot in [lo, hi] not measured for `stale_after`
+    observations (the one measured longest ago), so the caller can run one step at that size and no batch
+    size keeps an old measurement forever (the "dead spot" of fully online tables, where one spike makes a
+    size look bad and the policy never visits it again).
+    """
+
+    def __init__(self, prior: SpsTable, *, window: int = 9, spike: float = 4.0, persist: int = 3,
+                 max_ratio: float = 20.0, stale_after: int = 200, refresh_every: int = 4,
+                 context_buckets: Sequence[int] = DEFAULT_CONTEXT_BUCKETS):
+        if not isinstance(prior, SpsTable):
+            raise InvalidArgument("prior", prior, "must be an SpsTable")
+        if not _is_int(window) or window < 1:
+            raise InvalidArgument("window", window, "must be an integer >= 1")
+        if not spike > 1 or not max_ratio > 1:
+            raise InvalidArgument("spike", spike, "spike and max_ratio must be > 1")
+        if not _is_int(stale_after) or stale_after < 1 or not _is_int(refresh_every) or refresh_every < 1:
+            raise InvalidArgument("stale_after", stale_after, "stale_after and refresh_every must be integers >= 1")
+        buckets = tuple(int(c) for c in context_buckets)
+        if not buckets or buckets[0] != 0 or any(b <= a for a, b in zip(buckets, buckets[1:])):
+            raise InvalidArgument("context_buckets", context_buckets, "must start at 0 and increase")
+        self.prior, self.window, self.spike, self.persist = prior, window, spike, persist
+        self.max_ratio, self.stale_after, self.refresh_every = max_ratio, stale_after, refresh_every
+        self.context_buckets = buckets
+        top = max(prior.batch_sizes[-1], 1)
+        self.knots = tuple(k for k in _ONLINE_KNOTS if k <= 2 * top) or (1,)
+        nb, nk = len(buckets), len(self.knots)
+        self._ratios = [[deque(maxlen=window) for _ in range(nk)] for _ in range(nb)]
+        self._rejected = [[[] for _ in range(nk)] for _ in range(nb)]  # outliers held back, per knot
+        self._last_seen = [[-1] * nk for _ in range(nb)]  # observation count at the last accepted sample
+        self._contexts = [deque(maxlen=window) for _ in range(nb)]
+        self.observations = 0  # passes offered
+        self.last_context = 0.0  # mean context length of the latest accepted pass
+        self.accepted = 0  # passes that entered the table
+        self.rejected = 0
+        self._tables: dict[int, SpsTable] = {}
+        self._dirty_since = [0] * nb
+
+    # -- feeding ---------------------------------------------------------------------------------------
+
+    def bucket(self, context_length: float | None) -> int:
+        c = 0 if context_length is None or not context_length > 0 else context_length
+        return max(0, bisect_right(self.context_buckets, c) - 1)
+
+    def _knot(self, b: float) -> int:
+        # nearest knot in log space
+        i = bisect_right(self.knots, b)
+        if i == 0:
+            return 0
+        if i == len(self.knots):
+            return len(self.knots) - 1
+        lo, hi = self.knots[i - 1], self.knots[i]
+        return i - 1 if math.log(b / lo) <= math.log(hi / b) else i
+
+    def observe(self, tokens: int, seconds: float, context_length: float | None = None) -> bool:
+        """One real forward pass carrying `tokens` tokens took `seconds`; `context_length`: mean context per
+        request in it. Returns whether the sample entered the table (False: rejected as an outlier)."""
+        self.observations += 1
+        if not _is_int(tokens) or tokens < 1 or not _is_real(seconds) or not math.isfinite(seconds) or seconds <= 0:
+            self.rejected += 1
+            return False
+        ratio = seconds / self.prior.step_time(tokens)
+        bi, ki = self.bucket(context_length), self._knot(tokens)
+        window = self._ratios[bi][ki]
+        if not 1.0 / self.max_ratio <= ratio <= self.max_ratio:
+            self.rejected += 1
+            return False
+        held = self._rejected[bi][ki]
+        if len(window) >= 3:
+            med = statistics.median(window)
+            if not med / self.spike <= ratio <= med * self.spike:
+                if len(held) < self.persist:
+                    held.append(ratio)
+                    self.rejected += 1
+                    return False
+                # `persist` outliers in a row: the cost really moved; restart the knot from them
+                window.clear()
+                window.extend(held)
+                self._dirty_since[bi] = self.refresh_every
+        held.clear()
+        window.append(ratio)
+        self._contexts[bi].append(0.0 if context_length is None else float(context_length))
+        self.last_context = self._contexts[bi][-1]
+        self._last_seen[bi][ki] = self.observations
+        self.accepted += 1
+        self._dirty_since[bi] += 1
+        return True
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def _corrections(self, bi: int) -> list[float] | None:
+        """Median ratio per knot of bucket `bi` with the gaps filled from the nearest measured knot; None
+        when the bucket has no data at all."""
+        meds = [statistics.median(w) if w else None for w in self._ratios[bi]]
+        have = [i for i, m in enumerate(meds) if m is not None]
+        if not have:
+            return None
+        return [m if m is not None else meds[min(have, key=lambda j: (abs(j - i), j))] for i, m in enumerate(meds)]
+
+    def correction(self, b: float, context_length: float | None = None) -> float:
+        """The live step time at B divided by the prior's (1.0 where nothing was measured)."""
+        corr = self._bucket_corrections(self.bucket(context_length))
+        if corr is None:
+            return 1.0
+        knots = self.knots
+        if b <= knots[0]:
+            return corr[0]
+        i = bisect_right(knots, b)
+        if i >= len(knots):
+            return corr[-1]
+        w = math.log(b / knots[i - 1]) / math.log(knots[i] / knots[i - 1])
+        return corr[i - 1] + (corr[i] - corr[i - 1]) * w
+
+    def _bucket_corrections(self, bi: int) -> list[float] | None:
+        corr = self._corrections(bi)
+        if corr is not None:
+            return corr
+        measured = [j for j in range(len(self.context_buckets)) if any(self._ratios[j])]
+        if not measured:
+            return None
+        return self._corrections(min(measured, key=lambda j: (abs(j - bi), j)))
+
+    def table(self, context_length: float | None = None) -> SpsTable:
+        """The live SpsTable for passes whose mean context is `context_length` (cached; rebuilt after
+        `refresh_every` new samples in that bucket)."""
+        bi = self.bucket(context_length)
+        cached = self._tables.get(bi)
+        if cached is not None and self._dirty_since[bi] < self.refresh_every:
+            return cached
+        self._dirty_since[bi] = 0
+        ctx = self._contexts[bi]
+        context = int(statistics.median(ctx)) if ctx else self.context_buckets[bi]
+
+        def scaled(t: SpsTable) -> SpsTable:
+            return SpsTable(batch_sizes=t.batch_sizes,
+                            steps_per_second=tuple(s / self.correction(b, context)
+                                                   for b, s in zip(t.batch_sizes, t.steps_per_second)),
+                            device=t.device, dtype=t.dtype, context_length=context, model=t.model)
+
+        prior = self.prior
+        rows = None if not prior.by_requests else tuple((r, scaled(t)) for r, t in prior.by_requests)
+        base = scaled(prior)
+        live = monotone(SpsTable(batch_sizes=base.batch_sizes, steps_per_second=base.steps_per_second,
+                                 device=base.device, dtype=base.dtype, context_length=context, model=base.model,
+                                 by_requests=rows))
+        self._tables[bi] = live
+        return live
+
+    def stale_batch(self, lo: int, hi: int, context_length: float | None = None) -> int | None:
+        """A knot batch size in [lo, hi] whose last accepted measurement is `stale_after` or more passes old
+        (never measured counts as oldest), the oldest first; None when every knot there is fresh."""
+        bi = self.bucket(context_length)
+        best = None
+        for ki, b in enumerate(self.knots):
+            if not lo <= b <= hi:
+                continue
+            age = self.observations - self._last_seen[bi][ki] if self._last_seen[bi][ki] >= 0 else math.inf
+            if age >= self.stale_after and (best is None or age > best[0]):
+                best = (age, b)
+        return None if best is None else best[1]
+
+    def points(self, context_length: float | None = None) -> list[list[float]]:
+        """[[batch size, steps per second], ...] of the live table (what a pod publishes in Redis)."""
+        t = self.table(context_length)
+        return [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]

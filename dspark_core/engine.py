@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,8 +33,10 @@ from typing import Callable
 import torch
 
 from . import scheduling
+from .cost_model import OnlineSpsTable, SpsTable
 from .drafters.base import Proposal, ProposeItem
 from .errors import InvalidArgument, NotFound, ResourceExhausted
+from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord
 from .sampling import SamplingParams, TokenHistory, TokenLogprob, make_generator
 from .target import TargetRuntime
 from .verification import DraftBlock, process_draft
@@ -40,6 +44,8 @@ from .verifier import PrefillItem, StepResult, Verifier, VerifyItem
 
 # log-width of the buckets in which the drafting-time EMA shares a derived cost table (~5%)
 _OVERHEAD_BUCKET = 0.05
+
+log = logging.getLogger("dspark.engine")
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,21 @@ class EngineConfig:
     # causal / async: count the measured drafting time as a fixed cost of every step in the SPS curve (only
     # with an SpsTable); False = the verify pass alone, the paper's theta = tau x SPS(B)
     count_draft_time: bool = True
+    # correct the SPS table with every real forward pass of the in-process verifier (OnlineSpsTable); needs
+    # an SpsTable. Every `explore_every` steps a causal / async step may run at a stale batch size instead.
+    online_sps: bool = False
+    explore_every: int = 25
+    # watch calibration: when a position's running ECE (above its noise floor) exceeds this bound, the
+    # confidence policies verify the fixed length until it is back under 0.7 x bound. None = off.
+    calibration_bound: float | None = None
+    # collapse alarm: a drafter whose position-1 acceptance falls under this fraction of its expectation
+    # decodes autoregressively, with periodic one-draft probes. None = off.
+    collapse_ratio: float | None = None
+    # causal: verify every slot when that costs at most this fraction more step time than verifying none
+    # (the budget does not bind), and look past dips of a jagged table (scheduling.causal_prefix_schedule);
+    # 0 and False give the paper's literal walk
+    causal_slack: float = scheduling.CAUSAL_SLACK
+    causal_lookahead: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "policy", scheduling.policy_spec(self.policy).name)  # aliases -> the name
@@ -71,6 +92,14 @@ class EngineConfig:
             raise InvalidArgument("confidence_threshold", self.confidence_threshold, "must be in [0, 1]")
         if self.max_active < 1:
             raise InvalidArgument("max_active", self.max_active, "must be >= 1")
+        if not 0.0 <= self.causal_slack < 1.0:
+            raise InvalidArgument("causal_slack", self.causal_slack, "must be in [0, 1)")
+        if self.explore_every < 1:
+            raise InvalidArgument("explore_every", self.explore_every, "must be >= 1")
+        if self.calibration_bound is not None and not 0.0 < self.calibration_bound <= 1.0:
+            raise InvalidArgument("calibration_bound", self.calibration_bound, "must be in (0, 1] or None")
+        if self.collapse_ratio is not None and not 0.0 < self.collapse_ratio < 1.0:
+            raise InvalidArgument("collapse_ratio", self.collapse_ratio, "must be in (0, 1) or None")
 
 
 @dataclass(eq=False)
@@ -222,10 +251,34 @@ class Engine:
             raise InvalidArgument("policy", config.policy, "needs the target's SPS cost table (run `dspark profile`)")
         self._draft_seconds = 0.0
         self._sps_cache: dict = {}
+        self._sps_base = None  # the table _sps_cache was derived from
+        self.online_sps: OnlineSpsTable | None = None
+        if config.online_sps:
+            if not isinstance(sps, SpsTable):
+                raise InvalidArgument("online_sps", True, "needs an SpsTable prior (run `dspark profile`)")
+            self.online_sps = OnlineSpsTable(sps)
+            if hasattr(self.verifier, "on_forward"):
+                self.verifier.on_forward = self.online_sps.observe
+        self.calibration: CalibrationMonitor | None = None
+        if config.calibration_bound is not None and drafter is not None and drafter.has_confidence:
+            self.calibration = CalibrationMonitor(self.block_size, bound=config.calibration_bound)
+        self.collapse = CollapseDetector(ratio=config.collapse_ratio) if config.collapse_ratio is not None else None
+        # what the monitors decided, for the services' metrics and logs: (kind, detail dict), drained by them
+        # (the last 256 are kept when nobody drains them)
+        self.events: deque[tuple[str, dict]] = deque(maxlen=256)
+        # rounds verified in the last step (RoundRecord per request that verified drafts)
+        self.last_rounds: list[RoundRecord] = []
+        self.num_explored = 0  # steps run at a stale batch size for the online table
+        self.num_fallback_steps = 0  # steps a confidence policy ran the fixed length (calibration off bound)
+        self.num_skipped_drafts = 0  # request-rounds decoded autoregressively because the drafter collapsed
         # a policy given by the caller may read the cost table; a registry baseline never does
         self._policy_reads_sps = policy is not None or spec.needs_sps
         if policy is None:
-            opts = {"threshold": config.confidence_threshold} if spec.name == "threshold" else {}
+            opts = {}
+            if spec.name == "threshold":
+                opts = {"threshold": config.confidence_threshold}
+            elif spec.name == "causal":
+                opts = {"slack": config.causal_slack, "lookahead": config.causal_lookahead}
             policy = scheduling.make_policy(spec.name, **opts)
         self.policy = policy
         self.waiting: list[RequestState] = []
@@ -240,7 +293,10 @@ class Engine:
         the policy maximises tokens per second of the whole step, not of the verify pass alone. The step
         time is measured, never read from the drafts, so the decision stays independent of the draft tokens.
         """
-        sps = self.sps
+        sps = self.sps if self.online_sps is None else self.online_sps.table(self._mean_context())
+        if sps is not self._sps_base:  # a new live table (or `sps` replaced by the caller): derive afresh
+            self._sps_base = sps
+            self._sps_cache.clear()
         for_requests = getattr(sps, "for_requests", None)
         if for_requests is None:
             return sps
@@ -255,6 +311,9 @@ class Engine:
                 self._sps_cache.clear()
             cached = self._sps_cache[key] = table.with_overhead(math.exp(key[1] * _OVERHEAD_BUCKET))
         return cached
+
+    def _mean_context(self) -> float:
+        return sum(r.anchor_pos for r in self.active) / len(self.active) if self.active else 0.0
 
     # -- request lifecycle
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -365,8 +424,12 @@ class Engine:
     def _commit(self, req: RequestState, res: StepResult, events: dict[str, list[int]]) -> None:
         """Record what the verifier committed; the drafter sees those positions' features next round."""
         if self.drafter is not None:
-            req.pending_features, req.pending_start = res.features, res.features_start
-            req.pending_tokens = res.context_tokens
+            if req.pending_features is None:
+                req.pending_features, req.pending_start = res.features, res.features_start
+                req.pending_tokens = list(res.context_tokens)
+            else:  # the drafter skipped rounds (collapsed): it catches up on every position at its next draft
+                req.pending_features = torch.cat([req.pending_features, res.features.to(req.pending_features.dtype)])
+                req.pending_tokens = req.pending_tokens + list(res.context_tokens)
         kept = self._emit(req, res.tokens, res.stopped, res.logprobs)
         events.setdefault(req.request_id, []).extend(kept)
 
@@ -374,8 +437,12 @@ class Engine:
         reqs = list(self.active)
         rec.request_ids = [r.request_id for r in reqs]
         drafts: list[DraftBlock] = [DraftBlock(tokens=())] * len(reqs)
+        confs: list[list[float]] | None = None
         if self.drafter is not None:
-            drafts = self._draft(reqs, rec)
+            if self.collapse is None or self.collapse.should_draft(self.drafter.name, self.num_steps):
+                drafts, confs = self._draft(reqs, rec)
+            else:
+                self.num_skipped_drafts += len(reqs)
         rec.lengths = [len(d.tokens) for d in drafts]
         with rec.stage("verify"):
             results = self.verifier.verify([VerifyItem(r.request_id, r.anchor, r.anchor_pos, d)
@@ -384,8 +451,44 @@ class Engine:
             req.accepted_per_round.append(res.num_accepted)
             req.proposed_per_round.append(len(draft.tokens))
             self._commit(req, res, events)
+        self.last_rounds = []
+        if confs is not None:
+            self._observe(reqs, drafts, confs, results)
 
-    def _draft(self, reqs: list[RequestState], rec: "_StepLog") -> list[DraftBlock]:
+    def _observe(self, reqs, drafts, confs, results) -> None:
+        """Feed the verified rounds to the calibration monitor and the collapse detector."""
+        name = self.drafter.name
+        rounds = [RoundRecord(name, tuple(c[:len(d.tokens)]), res.num_accepted, req.params.temperature == 0)
+                  for req, d, c, res in zip(reqs, drafts, confs, results) if d.tokens]
+        self.last_rounds = rounds
+        if self.calibration is not None:
+            for rec in rounds:
+                changed = self.calibration.observe(rec)
+                if changed is not None:
+                    cal = self.calibration
+                    detail = {"drafter": name, "ok": changed, "worst_position": cal.worst_position(),
+                              "ece": [round(x, 4) for x in cal.ece], "bound": cal.bound}
+                    self.events.append(("calibration", detail))
+                    if changed:
+                        log.info("calibration back within bound; confidence policy resumes", extra=detail)
+                    else:
+                        log.warning("calibration out of bound (ECE %.3f at position %s > %.3f); verifying the "
+                                    "fixed length until it is back", max(x for x in cal.excess() if x == x),
+                                    detail["worst_position"], cal.bound, extra=detail)
+        if self.collapse is not None:
+            changed = self.collapse.observe(name, rounds, self.num_steps)
+            if changed is not None:
+                detail = {"drafter": name, "collapsed": changed,
+                          "acceptance_ratio": self.collapse.acceptance_ratio(name)}
+                self.events.append(("collapse", detail))
+                if changed:
+                    log.warning("drafter %s collapsed (position-1 acceptance below %.2f x expected); decoding "
+                                "autoregressively with periodic probes", name, self.collapse.ratio, extra=detail)
+                else:
+                    log.info("drafter %s recovered; speculation resumes", name, extra=detail)
+
+    def _draft(self, reqs: list[RequestState], rec: "_StepLog") -> tuple[list[DraftBlock], list[list[float]]]:
+        """One batched propose; returns the verify blocks and the confidences the policy read."""
         items = []
         for r in reqs:
             items.append(ProposeItem(
@@ -396,14 +499,15 @@ class Engine:
         with rec.stage("draft"):
             proposals = self.drafter.propose(items)
         elapsed = time.perf_counter() - start
+        for r in reqs:
+            r.pending_features, r.pending_tokens = None, []
         rec.proposals = proposals
         gamma = self.block_size
         confs = []
         for p in proposals:
             c = p.confidences
             confs.append([1.0] * len(p.tokens[:gamma]) if c is None else c[:gamma].tolist())
-        sps = self._sps_for(len(confs)) if self._policy_reads_sps else None
-        lengths = self.policy(confs, sps, rec.request_ids)
+        lengths = self._lengths(confs, rec.request_ids)
         # exponential moving average of the drafting time per step (the policies' fixed per-step cost), updated
         # after this step's schedule: a decision only ever sees earlier steps' timings
         self._draft_seconds = elapsed if self._draft_seconds <= 0 else 0.8 * self._draft_seconds + 0.2 * elapsed
@@ -421,7 +525,29 @@ class Engine:
                 # compares the penalised target against exactly that processed q
                 block = process_draft(block, r.params, TokenHistory(r.prompt_ids, r.output_ids), r.draft_generator)
             blocks.append(block)
-        return blocks
+        return blocks, confs
+
+    def _lengths(self, confs: list[list[float]], request_ids: list[str]) -> list[int]:
+        """The policy's lengths, overridden by what the monitors decided from earlier steps (never from this
+        step's drafts, so every override is as lossless as the fixed policy): a collapsed drafter's probe
+        verifies one draft; calibration off bound runs the fixed length; and every `explore_every` steps a
+        causal / async step whose reachable batch sizes include a stale one runs top-K at that size."""
+        cfg = self.config
+        if self.collapse is not None and self.collapse.is_collapsed(self.drafter.name):
+            return scheduling.gamma1_schedule(confs)
+        sps = self._sps_for(len(confs)) if self._policy_reads_sps else None
+        lengths = self.policy(confs, sps, request_ids)  # always called: a stateful (async) policy stays current
+        spec = scheduling.policy_spec(cfg.policy)
+        if self.calibration is not None and not self.calibration.ok and spec.needs_confidence:
+            self.num_fallback_steps += 1
+            return scheduling.fixed_schedule(confs)
+        if self.online_sps is not None and spec.needs_sps and self.num_steps % cfg.explore_every == 0:
+            r = len(confs)
+            stale = self.online_sps.stale_batch(r, r + sum(len(c) for c in confs), self._mean_context())
+            if stale is not None and stale != r + sum(lengths):
+                self.num_explored += 1
+                return scheduling.async_topk_schedule(confs, stale - r)
+        return lengths
 
     # -- convenience
     def run(self) -> None:

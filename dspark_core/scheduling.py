@@ -85,16 +85,20 @@ class _Pool:
     non-increasing in j, so every prefix of `order` is prefix-closed per request.
     """
 
-    __slots__ = ("num_requests", "neg", "owner", "order")
+    __slots__ = ("num_requests", "neg", "owner", "order", "cond", "left", "num_slots")
 
     def __init__(self, rows: list[Any]):
         # [num_candidates]
         neg: list[float] = []
         # [num_candidates]
         owner: list[int] = []
+        # [num_candidates] the candidate's own conditional c_{r,j}, and the draft slots its row has after it
+        cond: list[float] = []
+        left: list[int] = []
         for r, row in enumerate(rows):
             a = 1.0
-            for c in row:
+            n = len(row)
+            for j, c in enumerate(row):
                 if c.__class__ is not float and not _is_confidence(c):
                     raise _bad_row(r, row)
                 if not 0.0 <= c <= 1.0:  # also rejects NaN
@@ -102,16 +106,36 @@ class _Pool:
                 a *= c  # once a reaches 0 it stays 0, so zeros and everything after them are skipped
                 if a > 0.0:
                     neg.append(-a)
+                    cond.append(float(c))
+                    left.append(n - j - 1)
             owner.extend([r] * (len(neg) - len(owner)))
         self.num_requests = len(rows)
-        self.neg, self.owner = neg, owner
+        self.neg, self.owner, self.cond, self.left = neg, owner, cond, left
+        # draft slots of the step whatever the drafts turn out to be (row lengths; zeros included)
+        self.num_slots = sum(len(row) for row in rows)
         self.order = sorted(range(len(neg)), key=neg.__getitem__)
 
-    def best_prefix(self, sps: Callable[[int], float], early_stop: bool) -> int:
+    def best_prefix(self, sps: Callable[[int], float], early_stop: bool, lookahead: bool = False,
+                    slack: float = 0.0) -> int:
         """Number of leading candidates that maximises theta = tau * SPS(B), B = R + k; with `early_stop`
-        the walk ends at the first candidate that does not strictly raise theta (paper Algorithm 1)."""
+        the walk ends at the first candidate that does not strictly raise theta (paper Algorithm 1).
+
+        With `early_stop`, two causal refinements (both off by default, the paper's walk):
+        - `slack` > 0: when verifying every draft slot of the step would cost at most `slack` (a fraction)
+          more step time than verifying none, SPS(R + slots) >= (1 - slack) SPS(R), the budget does not
+          bind and every candidate is admitted, as the fixed policy would. The test reads only R and the
+          row lengths, never a confidence, so it cannot depend on the drafts.
+        - `lookahead`: a candidate that does not raise theta still passes when its own request's
+          continuation, projected with its own conditional confidence (a_{j+m} = a_j c_j^m over the slots
+          its row has left), would beat the best theta within those slots. That reads c_{r,<=j} only, so
+          the decision on x_j stays independent of x_j; it stops the walk from halting at a dip of a
+          jagged table (a flat step after a steep one). Candidates passed this way are admitted: the walk
+          returns every candidate before its first failure, never an argmax over later ones.
+        """
         neg, order, r0 = self.neg, self.order, self.num_requests
         n = len(order)
+        if early_stop and slack > 0 and n and sps(r0 + self.num_slots) >= (1.0 - slack) * sps(r0):
+            return n
         bulk = getattr(sps, "sps_range", None)
         # [<= n + 1] SPS at B = R, R + 1, ... read in one call where the callable offers it (an SpsTable
         # slices a cached table); past what it returned, sps(B) is called per step
@@ -126,8 +150,23 @@ class _Pool:
             if theta > best:
                 best, best_k = theta, k
             elif early_stop:
+                if lookahead and self._continuation_beats(i, k, tau, best, sps):
+                    best_k = k
+                    continue
                 break
         return best_k
+
+    def _continuation_beats(self, i: int, k: int, tau: float, best: float, sps: Callable[[int], float]) -> bool:
+        """Whether candidate i's own request, continued with its conditional confidence for the slots its row
+        has left, reaches a theta above `best` (k candidates admitted so far, tau their expected tokens)."""
+        c, a = self.cond[i], -self.neg[i]
+        b = self.num_requests + k
+        for m in range(1, self.left[i] + 1):
+            a *= c
+            tau += a
+            if tau * sps(b + m) > best:
+                return True
+        return False
 
     def lengths(self, k: int) -> list[int]:
         """Per-request lengths admitting the first k candidates (a prefix-closed set: count = length)."""
@@ -141,7 +180,8 @@ class _Pool:
 # -- the causal scheduler (paper Algorithm 1) -------------------------------------------------------
 
 
-def causal_prefix_schedule(confidences: Confidences, sps: SpsLike) -> list[int]:
+def causal_prefix_schedule(confidences: Confidences, sps: SpsLike, *, slack: float = 0.0,
+                           lookahead: bool = False) -> list[int]:
     """Paper Algorithm 1: verification length per request, in 0..len(confidences[r]).
 
     Candidates (r, j) with a_{r,j} > 0 are taken in order of a_{r,j} descending (ties by r, then j).
@@ -152,13 +192,25 @@ def causal_prefix_schedule(confidences: Confidences, sps: SpsLike) -> list[int]:
 
     `sps`: an SpsTable, a callable B -> steps per second, or a sequence with sps[B] = SPS at B tokens
     (index 0 ignored); see `dspark_core.cost_model.sps_callable`.
+
+    `slack`, `lookahead`: the causal refinements of `_Pool.best_prefix` (defaults: the paper's literal walk;
+    the engine's "causal" policy uses CAUSAL_SLACK and the lookahead, so that at low load, where the
+    budget does not bind, it verifies what the fixed policy verifies).
     """
+    if not isinstance(slack, numbers.Real) or isinstance(slack, bool) or not 0.0 <= slack < 1.0:
+        raise InvalidArgument("slack", slack, "must be a number in [0, 1)")
     rows = _rows(confidences)
     fn = sps_callable(sps)
     if not rows:
         return []
     pool = _Pool(rows)
-    return pool.lengths(pool.best_prefix(fn, early_stop=True))
+    return pool.lengths(pool.best_prefix(fn, early_stop=True, lookahead=lookahead, slack=slack))
+
+
+# The engine's causal policy (EngineConfig.causal_slack): verify every slot while that costs under 5% more
+# step time than verifying none (within what an SPS table measures reliably), and look past dips of a
+# jagged table.
+CAUSAL_SLACK = 0.05
 
 
 # -- async: lagged capacity + top-K (paper section 5.2) ---------------------------------------------
@@ -335,17 +387,23 @@ class _Stateless:
 
 
 class _Causal:
-    __slots__ = ()
+    """The causal walk with its refinements' options (`causal_prefix_schedule`)."""
+
+    __slots__ = ("slack", "lookahead")
+
+    def __init__(self, slack: float = 0.0, lookahead: bool = False):
+        self.slack, self.lookahead = slack, lookahead
 
     def __call__(self, confidences: Confidences, sps: SpsLike, request_ids: Any = None) -> list[int]:
-        return causal_prefix_schedule(confidences, sps)
+        return causal_prefix_schedule(confidences, sps, slack=self.slack, lookahead=self.lookahead)
 
 
 def make_policy(name: str, **kw: Any) -> Policy:
     """A policy by name (or alias), with one signature: policy(confidences, sps, request_ids=None) -> lengths.
 
-    "causal" and "async" use sps; the baselines ignore it. Options: "threshold" needs `threshold=`;
-    "fixed" takes an optional `length=`. "async" returns a fresh `AsyncScheduler` (it keeps state, so
+    "causal" and "async" use sps; the baselines ignore it. Options: "causal" takes `slack=` and
+    `lookahead=` (default the paper's walk); "threshold" needs `threshold=`; "fixed" takes an optional
+    `length=`. "async" returns a fresh `AsyncScheduler` (it keeps state, so
     use one per verifier batch stream).
     """
     name = policy_spec(name).name
@@ -356,8 +414,10 @@ def make_policy(name: str, **kw: Any) -> Policy:
             raise InvalidArgument(key, kw[key], f"is not an option of policy {name!r}")
 
     if name == "causal":
+        slack, lookahead = kw.pop("slack", 0.0), kw.pop("lookahead", False)
         no_options()
-        return _Causal()
+        causal_prefix_schedule([], (1.0, 1.0), slack=slack)  # validate now, not on the first round
+        return _Causal(slack, bool(lookahead))
     if name == "async":
         no_options()
         return AsyncScheduler()

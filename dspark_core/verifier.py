@@ -15,6 +15,8 @@ Knows nothing about drafters, scheduling, text or networking.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,9 +92,15 @@ def _listed(logprobs) -> list[TokenLogprob] | None:
 
 
 class Verifier:
-    def __init__(self, target: TargetRuntime):
+    """`on_forward(tokens, seconds, context_length)`, when set, is called after every verify pass with the
+    tokens it carried, its duration on `clock` (seconds; on an accelerator the pass is synchronised first)
+    and the mean context per request: what `dspark_core.cost_model.OnlineSpsTable.observe` takes."""
+
+    def __init__(self, target: TargetRuntime, clock: Callable[[], float] = time.perf_counter):
         self.target = target
         self._slots: dict[str, _Slot] = {}
+        self.clock = clock
+        self.on_forward: Callable[[int, float, float], object] | None = None
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._slots
@@ -177,7 +185,14 @@ class Verifier:
             # Idempotent retries: whatever a lost reply committed is rolled back first.
             self.target.truncate(s.seq, it.anchor_pos)
             slots.append(s)
+        t0 = self.clock()
         out = self.target.forward([(s.seq, [it.anchor, *it.draft.tokens]) for s, it in zip(slots, items)])
+        if self.on_forward is not None and items:
+            device = getattr(self.target, "device", None)
+            if getattr(device, "type", None) == "cuda":
+                torch.cuda.synchronize(device)
+            self.on_forward(sum(1 + len(it.draft.tokens) for it in items), self.clock() - t0,
+                            sum(it.anchor_pos for it in items) / len(items))
         results = []
         for i, (it, s) in enumerate(zip(items, slots)):
             # the committed tokens before the anchor, then the anchor (it may be news to a resumed slot)

@@ -17,6 +17,37 @@ SPEC_DRAFT_TOKENS = Counter("dspark_spec_decode_draft_tokens", "Draft tokens sen
 SPEC_ACCEPTED = Counter("dspark_spec_decode_accepted_tokens", "Draft tokens accepted by the target")
 SPEC_ACCEPTED_POS = Counter("dspark_spec_decode_accepted_tokens_per_pos",
                             "Draft tokens accepted, by 0-based position in the block", ["position"])
+# online operation (dspark_core.monitoring): calibration and collapse, per drafter; positions are 1-based
+SPEC_EXPECTED = Counter("dspark_spec_decode_expected_accepted_tokens",
+                        "Predicted survival a_k summed over verified draft positions (what the confidences expected)",
+                        ["drafter", "position"])
+SPEC_REALIZED = Counter("dspark_spec_decode_realized_accepted_tokens",
+                        "Draft tokens accepted at the verified positions that SPEC_EXPECTED counts",
+                        ["drafter", "position"])
+SPEC_ECE = Gauge("dspark_spec_decode_calibration_ece",
+                 "Running expected calibration error of the predicted survival, by position", ["drafter", "position"])
+SPEC_ECE_FLOOR = Gauge("dspark_spec_decode_calibration_ece_floor",
+                       "ECE a perfectly calibrated head would show on the same window (sampling noise)",
+                       ["drafter", "position"])
+SPEC_CALIBRATED = Gauge("dspark_spec_decode_calibrated",
+                        "1 while calibration is within --calibration-bound, 0 while the policy runs the fixed length",
+                        ["drafter"])
+SPEC_FALLBACK_STEPS = Counter("dspark_spec_decode_calibration_fallback_steps",
+                              "Steps a confidence policy verified the fixed length because calibration left its bound",
+                              ["drafter"])
+SPEC_COLLAPSED = Gauge("dspark_spec_decode_drafter_collapsed",
+                       "1 while the drafter's acceptance has collapsed (its requests decode autoregressively)",
+                       ["drafter"])
+SPEC_COLLAPSES = Counter("dspark_spec_decode_drafter_collapses", "Times the collapse alarm fired", ["drafter"])
+SPEC_ACCEPTANCE_RATIO = Gauge("dspark_spec_decode_acceptance_ratio",
+                              "First-position acceptance over the recent window divided by its expectation",
+                              ["drafter"])
+SPEC_SKIPPED = Counter("dspark_spec_decode_skipped_rounds",
+                       "Request-rounds decoded without drafting because the drafter collapsed", ["drafter"])
+REQUIRED_REPLICAS = Gauge("dspark_autoscale_required_replicas",
+                          "Replicas needed to hold --target-user-tps per user at the current load, per pool", ["pool"])
+PREDICTED_USER_TPS = Gauge("dspark_autoscale_predicted_user_tokens_per_second",
+                           "Per-user speed the capacity model predicts at the current replicas and load")
 REQUESTS_RUNNING = Gauge("dspark_requests_running", "Requests in the engine's active batch")
 REQUESTS_WAITING = Gauge("dspark_requests_waiting", "Requests queued for admission")
 REQUESTS = Counter("dspark_requests", "Finished requests, by finish reason", ["finish_reason"])

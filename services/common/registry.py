@@ -60,7 +60,10 @@ class PodRecord:
     active_requests: int = 0
     tokens_per_step: float = 0.0  # EWMA of tokens per batched forward
     step_time_ewma_s: float = 0.0
-    sps_table: list = field(default_factory=list)  # [[num_tokens, steps_per_second], ...]
+    # [[num_tokens, steps_per_second], ...]: the verifier's live cost table (dspark_core OnlineSpsTable), at
+    # the mean context length of its latest passes (sps_context_length)
+    sps_table: list = field(default_factory=list)
+    sps_context_length: int = 0
     health: str = "SERVING"
     model: str = ""
     updated: float = 0.0

@@ -98,9 +98,17 @@ class CheckpointWriter:
 class EngineLoop:
     def __init__(self, make_engine: Callable[[Callable[[StepRecord], None]], Engine], registry: Registry | None = None,
                  scheduler_id: str = "scheduler", checkpoint: Callable[[str], dict | None] | None = None,
-                 pods_capacity: Callable[[], dict] | None = None, autoscaler=None):
+                 pods_capacity: Callable[[], dict] | None = None, autoscaler=None, record_rounds: str | None = None,
+                 target_user_tps: float | None = None):
         """`make_engine(observer)` builds the engine this loop drives, with `observer` as its step observer."""
         self.registry, self.scheduler_id = registry, scheduler_id
+        self.record_rounds = record_rounds  # JSON-lines file every verified round is appended to
+        self._rounds_buffer: list = []
+        self.target_user_tps = target_user_tps
+        self._counted = {"fallback": 0, "skipped": 0}
+        self._objective_feasible = True
+        self._forecast = None  # DemandForecast of the users, with --target-user-tps
+        self.pod_start_s = 30.0  # seconds a new pod takes to serve (the forecast's horizon beyond the window)
         self._checkpoint = checkpoint
         self._pods_capacity = pods_capacity
         self.autoscaler = autoscaler  # optional: services.scheduler.autoscaler.Autoscaler
@@ -132,6 +140,8 @@ class EngineLoop:
         self._thread.join(timeout)
         if self._writer:
             self._writer.stop()
+        if self._rounds_buffer:
+            self._watch_gauges()  # flush the recorded rounds
 
     @property
     def num_requests(self) -> int:
@@ -233,6 +243,7 @@ class EngineLoop:
             return
         self._failures = 0
         self.steps += 1
+        self._watch()
         now = time.perf_counter()
         for ev in events:
             t = self._tracked.get(ev.request_id)
@@ -282,6 +293,65 @@ class EngineLoop:
                     ck.update(scheduler=self.scheduler_id, updated=time.time())
                     self._writer.put(ev.request_id, ck)
             t.sink(upd)
+
+    def _watch(self) -> None:
+        """Metrics of the engine's monitors after a step: per-position expected vs accepted tokens, what the
+        alarms decided (the engine logs the transitions), and the rounds to record."""
+        eng = self.engine
+        if eng.drafter is None:
+            return
+        name = eng.drafter.name
+        rounds = eng.last_rounds
+        if rounds:
+            expected: dict[int, float] = {}
+            realized: dict[int, int] = {}
+            for rec in rounds:
+                a = 1.0
+                for k, c in enumerate(rec.confidences, 1):
+                    a *= c
+                    expected[k] = expected.get(k, 0.0) + a
+                    realized[k] = realized.get(k, 0) + (rec.accepted >= k)
+            for k, e in expected.items():
+                metrics.SPEC_EXPECTED.labels(drafter=name, position=str(k)).inc(e)
+                metrics.SPEC_REALIZED.labels(drafter=name, position=str(k)).inc(realized[k])
+            if self.record_rounds:
+                self._rounds_buffer.extend(rounds)
+        for kind, detail in eng.events:
+            if kind == "collapse" and detail["collapsed"]:
+                metrics.SPEC_COLLAPSES.labels(drafter=name).inc()
+        eng.events.clear()
+        for key, total, counter in (("fallback", eng.num_fallback_steps, metrics.SPEC_FALLBACK_STEPS),
+                                    ("skipped", eng.num_skipped_drafts, metrics.SPEC_SKIPPED)):
+            if total > self._counted[key]:
+                counter.labels(drafter=name).inc(total - self._counted[key])
+                self._counted[key] = total
+
+    def _watch_gauges(self) -> None:
+        """Once a second: the monitors' state as gauges, and the recorded rounds appended to their file."""
+        eng = self.engine
+        if eng.drafter is None:
+            return
+        name = eng.drafter.name
+        cal = eng.calibration
+        if cal is not None:
+            for k, (e, f) in enumerate(zip(cal.ece, cal.floor), 1):
+                if e == e:
+                    metrics.SPEC_ECE.labels(drafter=name, position=str(k)).set(e)
+                    metrics.SPEC_ECE_FLOOR.labels(drafter=name, position=str(k)).set(f)
+            metrics.SPEC_CALIBRATED.labels(drafter=name).set(1 if cal.ok else 0)
+        if eng.collapse is not None:
+            metrics.SPEC_COLLAPSED.labels(drafter=name).set(1 if eng.collapse.is_collapsed(name) else 0)
+            ratio = eng.collapse.acceptance_ratio(name)
+            if ratio == ratio:
+                metrics.SPEC_ACCEPTANCE_RATIO.labels(drafter=name).set(ratio)
+        if self._rounds_buffer:
+            from dspark_core.monitoring import write_rounds
+
+            batch, self._rounds_buffer = self._rounds_buffer, []
+            try:
+                write_rounds(self.record_rounds, batch)
+            except OSError as exc:
+                log.warning("could not record rounds to %s: %s", self.record_rounds, exc)
 
     def _observe(self, record: StepRecord) -> None:
         """The engine's observer (engine thread): stage timings for the trace, demand from the proposals."""
@@ -334,12 +404,49 @@ class EngineLoop:
         if now - self._last_summary < 1.0:
             return
         self._last_summary = now
+        self._watch_gauges()
         if self._pods_capacity is None:
             return
         try:
             self._publish_load()
         except Exception:  # noqa: BLE001 - load signals are advisory
             log.exception("load publication failed")
+
+    def _speed_plan(self, caps: dict, waiting: int):
+        """The replicas that hold --target-user-tps at the current load (dspark_core.capacity), or None."""
+        eng = self.engine
+        sps = eng.online_sps.table(eng._mean_context()) if eng.online_sps is not None else eng.sps
+        if self.target_user_tps is None or sps is None or not hasattr(sps, "for_requests"):
+            return None
+        from dspark_core.capacity import DemandForecast, DraftCost, plan_replicas
+
+        pods_v, pods_d = len(caps.get("verifier", [])) or 1, len(caps.get("drafter", [])) or 1
+        active = max(sum(a for _, a in caps.get("verifier", [])), len(eng.active))
+        if self._forecast is None:
+            self._forecast = DemandForecast(60.0)
+        self._forecast.observe(time.monotonic(), active + waiting)
+        limits = getattr(self.autoscaler, "pools", {}) or {}
+        # plan for the users expected once a new verifier is up: its scale-up window plus a pod start
+        horizon = (limits["verifier"].up_window_s if "verifier" in limits else 60.0) + self.pod_start_s
+        users = self._forecast.forecast(horizon)
+        per_drafter = max(1, math.ceil(len(eng.active) / pods_d))
+        plan = plan_replicas(list(self.demand_rows.values()), users, sps, self.target_user_tps,
+                             draft_cost=DraftCost.from_observation(eng._draft_seconds, per_drafter),
+                             current=(pods_v, pods_d), has_drafter=eng.drafter is not None,
+                             max_verifiers=limits["verifier"].max_replicas if "verifier" in limits else 64,
+                             max_drafters=limits["drafter"].max_replicas if "drafter" in limits else 64)
+        metrics.REQUIRED_REPLICAS.labels(pool="verifier").set(plan.verifiers)
+        metrics.REQUIRED_REPLICAS.labels(pool="drafter").set(plan.drafters)
+        if math.isfinite(plan.current_user_tps):
+            metrics.PREDICTED_USER_TPS.set(plan.current_user_tps)
+        if plan.feasible == self._objective_feasible:
+            return plan
+        self._objective_feasible = plan.feasible
+        if not plan.feasible:
+            log.warning("the per-user speed objective is out of reach within the replica limits",
+                        extra={"target_user_tps": self.target_user_tps, "users": users,
+                               "predicted_user_tps": plan.predicted_user_tps})
+        return plan
 
     def _publish_load(self) -> None:
         """Demand per verifier and desired replicas per pool (also the dspark_desired_replicas gauge)."""
@@ -353,6 +460,7 @@ class EngineLoop:
             if self.budgets is not None:
                 self.budgets.update(demand, caps.get("sps", {}))
         waiting = len(self.engine.waiting)
+        plan = self._speed_plan(caps, waiting)
         for pool in ("verifier", "drafter"):
             pods = caps.get(pool, [])
             if not pods:
@@ -362,6 +470,8 @@ class EngineLoop:
             # keep pods at most 80% full; never scale to zero
             load = max(sum(a for _, a in pods), len(self.engine.active)) + waiting
             desired = max(1, math.ceil(load / (0.8 * per_pod)))
+            if plan is not None:  # the per-user speed objective, never below what memory (request counts) needs
+                desired = max(desired, plan.verifiers if pool == "verifier" else plan.drafters)
             if self.registry is not None:
                 self.registry.publish_desired(pool, desired)
             else:

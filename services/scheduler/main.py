@@ -26,6 +26,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "may ask for (default: the target directory's name)")
     p.add_argument("--http-port", type=int, default=flags.env("HTTP_PORT"),
                    help="OpenAI-compatible HTTP port (default off)")
+    p.add_argument("--calibration-bound", type=float, default=float(flags.env("CALIBRATION_BOUND", 0.1)),
+                   help="confidence policies verify the fixed length while a position's running ECE (above its "
+                        "noise floor) exceeds this; 0 = not watched (default 0.1)")
+    p.add_argument("--collapse-ratio", type=float, default=float(flags.env("COLLAPSE_RATIO", 0.25)),
+                   help="a drafter whose first-position acceptance falls under this fraction of its expectation "
+                        "decodes autoregressively, probing now and then; 0 = no alarm (default 0.25)")
+    p.add_argument("--record-rounds", default=flags.env("RECORD_ROUNDS"), metavar="PATH",
+                   help="append every verified round here (JSON lines) for `dspark calibrate --online`")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +56,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait at start for a verifier (and a drafter, when one is expected) (default 120)")
     p.add_argument("--autoscale", action="store_true",
                    help="scale the pool Deployments itself (settings in DSPARK_AUTOSCALE_POOLS, namespace POD_NAMESPACE)")
+    p.add_argument("--target-user-tps", type=float, default=flags.env("TARGET_USER_TPS"), metavar="N",
+                   help="desired replicas hold N tokens/s per user at the current load, from the confidences and "
+                        "the live SPS table (default: from request counts alone)")
     p.add_argument("--device", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--drafter-path", default=None, help=argparse.SUPPRESS)
@@ -74,7 +85,10 @@ def run(args) -> int:
         max_active=args.max_active, max_waiting=args.max_waiting, default_max_new_tokens=args.default_max_new_tokens,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
         startup_wait_s=args.startup_wait, autoscale_pools=pools, served_model_name=args.served_model_name,
-        namespace=os.environ.get("POD_NAMESPACE", "default"))
+        namespace=os.environ.get("POD_NAMESPACE", "default"),
+        calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
+        record_rounds=args.record_rounds,
+        target_user_tps=float(args.target_user_tps) if args.target_user_tps is not None else None)
     return flags.run_app(lambda: SchedulerApp(cfg))
 
 

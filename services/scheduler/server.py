@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from dspark_core.cost_model import SpsTable
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
 from dspark_core.scheduling import policy_spec
@@ -72,13 +73,25 @@ class SchedulerConfig:
     namespace: str = "default"
     # a checkpoint this old belongs to a lost scheduler: a retry with the same request id adopts it
     adopt_after_s: float = 5.0
+    # online operation (dspark_core.monitoring): the confidence policies fall back to the fixed length while
+    # a position's running ECE exceeds this bound (None = not watched); a drafter whose position-1
+    # acceptance falls under this fraction of its expectation decodes autoregressively (None = no alarm)
+    calibration_bound: float | None = 0.1
+    collapse_ratio: float | None = 0.25
+    # append every verified round (JSON lines) here, for `dspark calibrate --online`
+    record_rounds: str | None = None
+    # autoscale to hold this many tokens per second per user (None: on request counts alone)
+    target_user_tps: float | None = None
 
     def __post_init__(self):
         if self.embedded_target is None and not self.verifier_addresses and not self.redis_url:
             raise InvalidArgument("verifier_addresses", self.verifier_addresses,
                                   "must be given (or a redis url to discover verifiers, or an embedded target)")
         EngineConfig(policy=self.policy, block_size=self.block_size, max_active=self.max_active,
-                     max_waiting=self.max_waiting)  # validates
+                     max_waiting=self.max_waiting, calibration_bound=self.calibration_bound,
+                     collapse_ratio=self.collapse_ratio)  # validates
+        if self.target_user_tps is not None and not self.target_user_tps > 0:
+            raise InvalidArgument("target_user_tps", self.target_user_tps, "must be > 0 tokens per second")
         if self.default_max_new_tokens < 1:
             raise InvalidArgument("default_max_new_tokens", self.default_max_new_tokens, "must be >= 1")
 
@@ -86,8 +99,6 @@ class SchedulerConfig:
 def _sps_from_points(points):
     if not points:
         return None
-    from dspark_core.cost_model import SpsTable
-
     return SpsTable(tuple(int(b) for b, _ in points), tuple(float(s) for _, s in points))
 
 
@@ -121,9 +132,10 @@ class SchedulerApp(ServingApp):
         self.frontend: Frontend | None = None
         self.http = None
         self.http_port: int | None = None
+        self._live_points: list | None = None
 
     # -- engine construction (blocking; runs in a worker thread)
-    def _engine_config(self, has_drafter: bool, has_sps: bool = True) -> EngineConfig:
+    def _engine_config(self, has_drafter: bool, has_sps: bool = True, online_sps: bool = False) -> EngineConfig:
         c = self.config
         policy = c.policy if has_drafter else "ar"
         if policy_spec(policy).needs_sps and not has_sps:
@@ -132,7 +144,8 @@ class SchedulerApp(ServingApp):
                         "start-up: --sps-profile-seconds > 0)", extra={"policy": policy})
             policy = "fixed"
         return EngineConfig(policy=policy, block_size=c.block_size, max_active=c.max_active,
-                            max_waiting=c.max_waiting)
+                            max_waiting=c.max_waiting, calibration_bound=c.calibration_bound,
+                            collapse_ratio=c.collapse_ratio, online_sps=online_sps and has_sps)
 
     def _build_embedded(self) -> _Stack:
         from dspark_core.sampling import SamplingParams
@@ -151,7 +164,8 @@ class SchedulerApp(ServingApp):
         sps = None
         if drafter is not None and policy_spec(c.policy).needs_sps:
             sps = startup_sps(target, c.embedded_target, c.profile_budget_s, c.embedded_sps_file)
-        ecfg = self._engine_config(drafter is not None, sps is not None)
+        # in-process, every verify pass corrects the cost table (the services' verifiers do it on their side)
+        ecfg = self._engine_config(drafter is not None, sps is not None, online_sps=isinstance(sps, SpsTable))
         # warm-up on an engine of its own, so that the served one starts with no history
         Engine(target, drafter, ecfg, sps=sps).generate([0, 1, 2], SamplingParams(temperature=0, max_new_tokens=2))
         card = ModelCard(c.served_model_name or target.name, target.vocab_size, target.max_context,
@@ -227,6 +241,10 @@ class SchedulerApp(ServingApp):
             out["demand"] = demand
             out["sps"] = {p.record.id: p.record.sps_table for p in list(self.verifiers.pods.values())
                           if p.record is not None}
+            live = next((pts for _, pts in sorted(out["sps"].items()) if pts), None)
+            if live and live != self._live_points:  # the verifiers' live table (they measure every pass)
+                self._live_points = live
+                self.engine.sps = _sps_from_points(live)
         return out
 
     async def load(self) -> "SchedulerApp":
@@ -252,7 +270,8 @@ class SchedulerApp(ServingApp):
             lambda observer: Engine(st.target, st.drafter, st.config, sps=st.sps, verifier=rv, policy=policy,
                                     observer=observer),
             self.registry, self.id, checkpoint=rv.checkpoint if rv is not None else None,
-            pods_capacity=self._pods_capacity, autoscaler=autoscaler)
+            pods_capacity=self._pods_capacity, autoscaler=autoscaler, record_rounds=c.record_rounds,
+            target_user_tps=c.target_user_tps)
         self.loop.budgets = budgets
         self.engine = self.loop.engine
         self.loop.start()

@@ -132,12 +132,13 @@ class VerifierApp(PodLifecycle):
 
     def record(self) -> PodRecord:
         s = self.servicer if self.servicer.verifier is not None else None
+        sps, sps_context = s.live_sps() if s else ([], 0)
         return PodRecord(
             id=self.id, pool="verifier", address=advertise_address(self.config.advertise_host, self.port,
                                                                    self.config.advertise_address),
             capacity=self.config.max_active, active_requests=s.verifier.num_active if s else 0,
             tokens_per_step=s.tokens_per_step.value if s else 0.0, step_time_ewma_s=s.step_time.value if s else 0.0,
-            sps_table=s.sps_points if s else [], health="DRAINING" if self.grpc.draining else (
+            sps_table=sps, sps_context_length=sps_context, health="DRAINING" if self.grpc.draining else (
                 "SERVING" if s else "NOT_SERVING"), model=s.target.name if s else "")
 
     async def load(self) -> "VerifierApp":

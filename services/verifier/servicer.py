@@ -53,7 +53,8 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self.target: TargetRuntime | None = None
         self.verifier_id, self.executor, self.max_active = verifier_id, executor, max_active
         self.num_layers = 0
-        self.sps_points: list = []
+        self.sps_points: list = []  # the profiled table (sps.json) the pod started from
+        self.online_sps = None  # OnlineSpsTable: that table corrected by every verify pass, published live
         self.step_time, self.tokens_per_step = Ewma(), Ewma()
         self.last_used: dict[str, float] = {}  # request id -> monotonic time of its last prefill / verify / resume
         self._verify = Coalescer(self._verify_batch, executor, max_wait_s=coalesce_wait_s)
@@ -64,6 +65,19 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self.verifier, self.target = verifier, target
         self.num_layers = len(target.config.tap_layer_ids)
         self.sps_points = [list(p) for p in sps_points]
+        if self.sps_points:
+            from dspark_core.cost_model import OnlineSpsTable, SpsTable
+
+            prior = SpsTable(tuple(int(b) for b, _ in self.sps_points), tuple(float(s) for _, s in self.sps_points))
+            self.online_sps = OnlineSpsTable(prior)
+            verifier.on_forward = self.online_sps.observe
+
+    def live_sps(self) -> tuple[list, int]:
+        """The live table's points at the context length of the latest passes, and that context length."""
+        if self.online_sps is None:
+            return self.sps_points, 0
+        ctx = self.online_sps.last_context
+        return self.online_sps.points(ctx), int(ctx)
 
     def close(self) -> None:
         self._verify.close()
@@ -260,6 +274,6 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
             max_context_length=t.max_context, feature_dtype=TORCH_TO_DTYPE[t.dtype],
             eos_token_ids=list(t.eos_token_ids), max_batch_tokens=t.max_context * 16,
             max_active_requests=self.max_active)
-        for b, s in self.sps_points:
+        for b, s in self.live_sps()[0]:
             resp.sps_table.points.add(num_tokens=int(b), steps_per_second=float(s))
         return resp

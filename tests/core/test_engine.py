@@ -147,7 +147,7 @@ def test_drafting_time_counts_as_a_fixed_cost_of_the_step(tiny_target_dir, targe
 
     # each token past the first costs as much as the first: worth it only when the step has a fixed cost
     # (tokens/s of the pass alone: 100 at B = 1, at most 2 x 50 = 100 at B = 2 with certain drafts)
-    table = SpsTable(batch_sizes=(1, 2, 3, 8), steps_per_second=(100.0, 50.0, 100 / 3, 12.5))
+    table = SpsTable(batch_sizes=tuple(range(1, 9)), steps_per_second=tuple(100.0 / b for b in range(1, 9)))
     proposed = {}
     for count in (False, True):
         engine = Engine(target, SlowOracle(tiny_target_dir, block_size=4, corrupt=0.0),

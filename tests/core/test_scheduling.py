@@ -455,3 +455,48 @@ def test_one_registry_serves_the_engine_the_bench_and_aliases():
         assert type(make_policy(alias)) is type(make_policy(name))
     with pytest.raises(InvalidArgument, match="^policy "):
         EngineConfig(policy="fastest")
+
+
+# -- the engine's causal refinements: slack (the budget does not bind) and lookahead --------------------
+
+
+def test_refined_causal_keeps_the_appendix_a_distribution():
+    for kw in ({"lookahead": True}, {"slack": 0.05}, {"slack": 0.6, "lookahead": True}):
+        policy = make_policy("causal", **kw)
+        assert first_token_distribution(policy) == pytest.approx([0.7, 0.3]), kw
+
+
+def test_when_the_budget_does_not_bind_causal_verifies_what_fixed_verifies():
+    # a nearly flat table (GPU, memory-bound): 8 slots cost 3% more than none; low confidences that the
+    # literal walk trims, the slack admits every candidate with a > 0, exactly the fixed lengths
+    flat = lambda b: 1.0 - 0.01 * (b > 1) - 0.02 * (b > 4)  # noqa: E731 - jagged and nearly flat
+    rows = [[0.3, 0.2, 0.9, 0.5, 0.5, 0.5, 0.5]]
+    assert causal_prefix_schedule(rows, flat) == [3]  # stops at the 2% dip at B = 5
+    assert causal_prefix_schedule(rows, flat, slack=0.05) == fixed_schedule(rows) == [7]
+    # a zero confidence still ends the row: nothing past it is admitted
+    assert causal_prefix_schedule([[0.5, 0.0, 0.9]], flat, slack=0.05) == [1]
+    # the test reads only the row lengths: the binding check is the same whatever the confidences
+    steep = lambda b: 1.0 / b  # noqa: E731
+    assert causal_prefix_schedule(rows, steep, slack=0.05) == causal_prefix_schedule(rows, steep)
+    with pytest.raises(InvalidArgument, match="slack"):
+        causal_prefix_schedule(rows, flat, slack=1.0)
+
+
+def test_lookahead_walks_past_a_dip_of_a_jagged_table():
+    jagged = [0.0, 1.0, 0.9, 0.5, 0.9]  # theta 1, 1.8, 1.5 (dip), 3.6
+    assert causal_prefix_schedule([[1.0, 1.0, 1.0]], jagged) == [1]
+    assert causal_prefix_schedule([[1.0, 1.0, 1.0]], jagged, lookahead=True) == [3]
+    # with nothing left to project (the row ends at the dip) the walk stops as before
+    assert causal_prefix_schedule([[1.0, 1.0]], jagged, lookahead=True) == [1]
+
+
+def test_refined_causal_never_admits_zero_survival_and_never_less_than_the_literal_walk():
+    rng = random.Random(7)
+    for _ in range(300):
+        confidences = random_confidences(rng, rng.randint(1, 8), 7, zero_rate=0.2)
+        sps = random_sps(rng, 80)
+        literal = causal_prefix_schedule(confidences, sps)
+        refined = causal_prefix_schedule(confidences, sps, slack=0.05, lookahead=True)
+        first_zero = [next((j for j, c in enumerate(row) if c == 0.0), len(row)) for row in confidences]
+        assert all(0 <= n <= z for n, z in zip(refined, first_zero))
+        assert sum(refined) >= sum(literal)

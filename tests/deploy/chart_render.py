@@ -65,7 +65,8 @@ MATRIX: dict[str, dict] = {
         },
     },
     "observability": {
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+                    "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
         "grafana": {"dashboard": {"enabled": True}},
         "otel": {"enabled": True, "endpoint": "http://otel-collector.observability:4317", "resourceAttributes": {"deployment.environment": "prod"}},
     },

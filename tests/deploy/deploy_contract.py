@@ -23,7 +23,9 @@ SERVE: dict[str, ServeFlags] = {
     "scheduler": ServeFlags(
         required=frozenset({"--port", "--http-port", "--metrics-port", "--redis-url"}),
         # --target: the tokenizer's directory (the service has it; the brief's contract does not list it)
-        optional=frozenset({"--policy", "--target", "--served-model-name"}),
+        # --calibration-bound / --collapse-ratio / --target-user-tps: online operation (issue 17)
+        optional=frozenset({"--policy", "--target", "--served-model-name", "--calibration-bound", "--collapse-ratio",
+                            "--target-user-tps"}),
         switches=frozenset({"--autoscale"}),
     ),
     "verifier": ServeFlags(
@@ -175,6 +177,43 @@ CRD_SCHEMAS: dict[tuple[str, str], dict] = {
                     },
                 },
                 ["selector", "endpoints"],
+            ),
+        },
+        ["apiVersion", "kind", "metadata", "spec"],
+    ),
+    # https://prometheus-operator.dev/docs/api-reference/api/#monitoring.coreos.com/v1.PrometheusRule
+    ("monitoring.coreos.com/v1", "PrometheusRule"): _strict(
+        {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": "PrometheusRule"},
+            "metadata": _METADATA,
+            "spec": _strict(
+                {
+                    "groups": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": _strict(
+                            {
+                                "name": {"type": "string", "minLength": 1},
+                                "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                                "rules": {
+                                    "type": "array",
+                                    "minItems": 1,
+                                    "items": _strict(
+                                        {"alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                                         "record": {"type": "string"},
+                                         "expr": {"type": "string", "minLength": 1},
+                                         "for": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                                         "labels": _STRING_MAP, "annotations": _STRING_MAP},
+                                        ["expr"],
+                                    ),
+                                },
+                            },
+                            ["name", "rules"],
+                        ),
+                    }
+                },
+                ["groups"],
             ),
         },
         ["apiVersion", "kind", "metadata", "spec"],

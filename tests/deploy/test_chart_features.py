@@ -375,3 +375,43 @@ def test_drafter_beside_the_verifier_runs_in_the_verifier_pod(chart):
     assert {"name": "drafter-grpc", "containerPort": 50053, "protocol": "TCP"} in ver["ports"]
     policy = next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("verifier"))
     assert 50053 in {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+
+
+def test_prometheus_rule_alerts_on_the_metrics_the_scheduler_exports(objects):
+    """The optional PrometheusRule: collapse, calibration and acceptance-decay alerts whose PromQL names only
+    metrics that services/common/metrics.py defines; the dashboard shows the same signals."""
+    import re
+
+    from prometheus_client import REGISTRY
+
+    import services.common.metrics  # noqa: F401 - registers the metrics
+
+    exported = set()
+    for family in REGISTRY.collect():
+        exported |= {s.name for s in family.samples} | {family.name}
+    objs = objects("observability")
+    (rule,) = of_kind(objs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {"DSparkDrafterCollapsed", "DSparkCalibrationOutOfBound", "DSparkAcceptanceBelowExpectation"} <= set(rules)
+    for r in rules.values():
+        names = set(re.findall(r"\b(dspark_[a-z_]+)", r["expr"]))
+        assert names and names <= exported | {n + "_total" for n in exported}, (r["alert"], names - exported)
+        assert 'namespace="dspark"' in r["expr"] or "namespace=" in r["expr"]
+    assert rules["DSparkDrafterCollapsed"]["for"] == "2m"
+    assert not of_kind(objects("defaults"), "PrometheusRule")  # optional, like the ServiceMonitor
+    board = json.loads(named(objs, "ConfigMap", "dspark-dashboard")["data"]["dspark-overview.json"])
+    exprs = " ".join(t["expr"] for p in board["panels"] for t in p["targets"])
+    for metric in ("dspark_spec_decode_drafter_collapsed", "dspark_spec_decode_calibrated",
+                   "dspark_spec_decode_calibration_ece", "dspark_spec_decode_expected_accepted_tokens_total",
+                   "dspark_autoscale_required_replicas"):
+        assert metric in exprs, f"dashboard does not show {metric}"
+
+
+def test_scheduler_gets_the_online_operation_flags(objects):
+    objs = objects("observability")
+    args = next(d for d in of_kind(objs, "Deployment") if component(d) == "scheduler")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert args[args.index("--calibration-bound") + 1] == "0.1"
+    assert args[args.index("--collapse-ratio") + 1] == "0.25"
+    assert "--target-user-tps" not in args  # 0 = off

@@ -17,7 +17,7 @@ VALUES = yaml.safe_load(VALUES_TEXT)
 SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())
 COMPONENTS = ("scheduler", "verifier", "drafter")
 # Keys that only make sense for one component; everything else is common to the three blocks.
-OWN_KEYS = {"scheduler": {"policy", "autoscaler", "servedModelName"},
+OWN_KEYS = {"scheduler": {"policy", "autoscaler", "servedModelName", "calibrationBound", "collapseRatio"},
             "verifier": {"device", "dtype", "idleTtlSeconds", "spsProfileSeconds"},
             "drafter": {"device", "dtype", "matmulDtype", "besideVerifier"}}
 

@@ -1,0 +1,173 @@
+"""CalibrationMonitor, CollapseDetector and OnlineSpsTable on synthetic rounds and timings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dspark_core.calibration import ece
+from dspark_core.cost_model import OnlineSpsTable, SpsTable
+from dspark_core.errors import InvalidArgument
+from dspark_core.monitoring import CalibrationMonitor, CollapseDetector, RoundRecord
+
+
+def rounds(rng, n, predicted, true_rate, gamma=4):
+    """Rounds whose confidences say `predicted` per position while each draft survives with `true_rate`."""
+    out = []
+    for _ in range(n):
+        acc = 0
+        while acc < gamma and rng.random() < true_rate:
+            acc += 1
+        conf = tuple(min(1.0, max(0.0, predicted + rng.uniform(-0.05, 0.05))) for _ in range(gamma))
+        out.append(RoundRecord("d", conf, acc))
+    return out
+
+
+def test_calibrated_rounds_stay_ok_and_the_ece_matches_the_offline_one():
+    rng = random.Random(0)
+    mon = CalibrationMonitor(4, window=1000, min_rounds=100, bound=0.05)
+    for rec in rounds(rng, 1000, 0.7, 0.7):
+        assert mon.observe(rec) is None
+    mon.check()
+    assert mon.ok
+    # the running ECE is the same statistic as dspark_core.calibration.ece on the window (10 bins)
+    survival = [[], []]
+    for rec in mon.rounds:
+        a = 1.0
+        for k in range(1):
+            a *= rec.confidences[k]
+            survival[0].append(a)
+            survival[1].append(float(rec.accepted > k))
+    assert mon.ece[0] == pytest.approx(ece(survival[0], survival[1], bins=10))
+    assert all(x < 0.05 for x in mon.excess())
+    assert sum(mon.expected_tokens) == pytest.approx(sum(sum(_prefix(r.confidences)) for r in mon.rounds))
+
+
+def _prefix(confs):
+    a, out = 1.0, []
+    for c in confs:
+        a *= c
+        out.append(a)
+    return out
+
+
+def test_an_overconfident_head_trips_the_bound_then_recovers_with_hysteresis():
+    rng = random.Random(1)
+    mon = CalibrationMonitor(4, window=600, min_rounds=100, bound=0.1, check_every=50)
+    for rec in rounds(rng, 300, 0.7, 0.7):
+        mon.observe(rec)
+    assert mon.ok
+    changes = [mon.observe(rec) for rec in rounds(rng, 600, 0.95, 0.4)]  # the target changed under the head
+    assert False in changes and not mon.ok
+    assert mon.worst_position() is not None and max(x for x in mon.excess() if x == x) > 0.1
+    changes = [mon.observe(rec) for rec in rounds(rng, 900, 0.4, 0.4)]  # refitted: calibrated again
+    assert True in changes and mon.ok
+    assert mon.transitions == 2
+
+
+def test_round_records_round_trip_and_reject_bad_json():
+    rec = RoundRecord("dspark", (0.9, 0.5), 1, greedy=True)
+    assert RoundRecord.from_json(rec.to_json()) == rec
+    with pytest.raises(InvalidArgument, match="accepted"):
+        RoundRecord.from_json('{"confidences": [0.5], "accepted": 3}')
+    with pytest.raises(InvalidArgument, match="confidences"):
+        RoundRecord.from_json('{"confidences": [1.5], "accepted": 0}')
+
+
+def test_collapse_is_flagged_probed_backed_off_and_cleared():
+    det = CollapseDetector(ratio=0.25, window=24, min_rounds=12, probe_every=8, probe_rounds=4, max_probe_every=32)
+    good = RoundRecord("d", (0.8,), 1)
+    bad = RoundRecord("d", (0.8,), 0)
+    for step in range(30):
+        assert det.observe("d", [good if step % 5 else bad], step) is None
+    assert det.should_draft("d", 30)
+    flagged_at = None
+    for step in range(30, 80):
+        if det.observe("d", [bad], step):
+            flagged_at = step
+            break
+    assert flagged_at is not None and flagged_at - 30 <= 24
+    assert det.is_collapsed("d") and det.collapses["d"] == 1
+    # no drafting until the probe step
+    assert not det.should_draft("d", flagged_at + 1) and det.should_draft("d", flagged_at + 8)
+    step = flagged_at + 8
+    for _ in range(4):  # four failed probes: the spacing doubles
+        assert det.should_draft("d", step)
+        det.observe("d", [bad], step)
+        step = det._next_probe["d"]
+    assert det._interval["d"] == 16
+    for _ in range(4):  # four good probes: cleared
+        assert det.should_draft("d", step)
+        changed = det.observe("d", [good], step)
+        step = det._next_probe.get("d", step) if changed is None else step
+    assert changed is False and not det.is_collapsed("d") and det.should_draft("d", step + 1)
+
+
+def test_rounds_without_drafts_and_other_drafters_do_not_count():
+    det = CollapseDetector(min_rounds=2, window=4)
+    for step in range(10):
+        det.observe("a", [RoundRecord("a", (), 0)], step)
+        det.observe("b", [RoundRecord("b", (0.9,), 1)], step)
+    assert not det.is_collapsed("a") and not det.is_collapsed("b")
+    assert det.acceptance_ratio("b") == pytest.approx(1 / 0.9)
+
+
+# -- OnlineSpsTable ------------------------------------------------------------------------------------
+
+PRIOR = SpsTable(batch_sizes=(1, 2, 4, 8, 16, 32, 64), steps_per_second=(100, 99, 97, 90, 70, 45, 25))
+
+
+def test_a_lone_spike_never_moves_the_table_and_a_regime_change_does():
+    live = OnlineSpsTable(PRIOR, window=9, spike=4.0, persist=3)
+    for _ in range(9):
+        live.observe(8, PRIOR.step_time(8))
+    assert live.table()(8) == pytest.approx(PRIOR(8))
+    assert not live.observe(8, 50 * PRIOR.step_time(8))  # out of range of the prior
+    assert not live.observe(8, 6 * PRIOR.step_time(8))  # a spike against the knot's median
+    assert live.table()(8) == pytest.approx(PRIOR(8))
+    for _ in range(3):  # the machine really got 6x slower at this size: after `persist` outliers it goes in
+        live.observe(8, 6 * PRIOR.step_time(8))
+    assert live.table()(8) == pytest.approx(PRIOR(8) / 6, rel=0.01)
+
+
+def test_the_live_table_is_monotone_and_unmeasured_sizes_follow_their_neighbours():
+    live = OnlineSpsTable(PRIOR, refresh_every=1)
+    for _ in range(5):
+        live.observe(16, 2 * PRIOR.step_time(16))  # B = 16 doubled
+        live.observe(32, 1.0 * PRIOR.step_time(32))  # B = 32 as profiled: now faster than B = 16, impossible
+    t = live.table()
+    times = [t.step_time(b) for b in t.batch_sizes]
+    assert times == sorted(times)
+    assert live.correction(64) == pytest.approx(1.0)  # nearest measured knot: 32
+    assert live.correction(1) == pytest.approx(2.0)  # nearest measured knot: 16
+
+
+def test_exploration_names_the_stalest_size_in_reach_and_context_buckets_are_separate():
+    live = OnlineSpsTable(PRIOR, stale_after=10, refresh_every=1)
+    assert live.stale_batch(1, 8) == 1  # never measured: all stale, the first oldest
+    for i in range(30):
+        live.observe(4, PRIOR.step_time(4))
+        live.observe(8, PRIOR.step_time(8))
+        if i < 3:
+            live.observe(2, PRIOR.step_time(2))
+    assert live.stale_batch(4, 4) is None and live.stale_batch(8, 8) is None
+    assert live.stale_batch(2, 2) == 2  # measured, but 54 passes ago
+    assert live.stale_batch(2, 8) == 3  # never measured beats measured long ago
+    # a long context doubles the step: only that bucket's table moves
+    for _ in range(9):
+        live.observe(8, 2 * PRIOR.step_time(8), context_length=10000)
+    assert live.table(10000)(8) == pytest.approx(PRIOR(8) / 2, rel=0.01)
+    assert live.table(100)(8) == pytest.approx(PRIOR(8), rel=0.01)
+    assert live.table(10000).context_length == 10000
+    assert live.points(100)[0] == [1, pytest.approx(PRIOR(1), rel=0.01)]
+
+
+def test_bad_settings_and_samples_are_refused():
+    with pytest.raises(InvalidArgument, match="prior"):
+        OnlineSpsTable([1, 2])
+    with pytest.raises(InvalidArgument, match="context_buckets"):
+        OnlineSpsTable(PRIOR, context_buckets=(5, 1))
+    live = OnlineSpsTable(PRIOR)
+    assert not live.observe(0, 0.1) and not live.observe(4, float("nan")) and not live.observe(4, -1.0)
+    assert live.rejected == 3 and live.accepted == 0

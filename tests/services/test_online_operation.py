@@ -1,0 +1,96 @@
+"""Online operation through the services: the scheduler exports the calibration / collapse metrics and
+records its rounds (which `dspark calibrate --online` refits from); the verifier corrects its cost table with
+every pass and publishes the live table in Redis, where the scheduler picks it up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+from dspark_core.cost_model import SpsTable
+from dspark_core.monitoring import read_rounds
+from services.common import metrics
+from services.common.registry import Registry, RegistryConfig
+
+import svc_cluster as cluster
+
+PRIOR = SpsTable((1, 8, 16, 64), (100.0, 90.0, 60.0, 20.0))
+
+
+def _target_with_sps(fixtures_dir, tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(fixtures_dir / "target", target)
+    PRIOR.save(target / "sps.json")
+    return target
+
+
+def test_embedded_scheduler_exports_spec_metrics_records_rounds_and_calibrate_online_refits(
+        aio, fixtures_dir, reference, tmp_path, capsys):
+    from dspark_cli.main import main as cli
+
+    target = _target_with_sps(fixtures_dir, tmp_path)
+    drafter = tmp_path / "dspark"
+    shutil.copytree(fixtures_dir / "dspark", drafter)
+    rounds_file = tmp_path / "rounds.jsonl"
+    s = cluster.scheduler(aio, embedded_target=str(target), embedded_drafter=str(drafter), policy="causal",
+                          record_rounds=str(rounds_file))
+    try:
+        stub, ch = cluster.scheduler_stub(s)
+        for prompt, greedy in reference[:2]:
+            resp = stub.GenerateUnary(cluster.ids_request(prompt, 64), timeout=120)
+            assert list(resp.token_ids) == greedy[:len(resp.token_ids)]
+        ch.close()
+        assert s.engine.online_sps is not None and s.engine.online_sps.accepted > 0  # embedded: measured passes
+        assert s.engine.calibration is not None and s.engine.collapse is not None
+    finally:
+        cluster.stop(aio, s)
+    text = metrics.render().decode()
+    name = drafter.name
+    assert f'dspark_spec_decode_expected_accepted_tokens_total{{drafter="{name}",position="1"}}' in text
+    assert f'dspark_spec_decode_realized_accepted_tokens_total{{drafter="{name}",position="1"}}' in text
+    assert f'dspark_spec_decode_calibrated{{drafter="{name}"}} 1.0' in text
+    assert f'dspark_spec_decode_drafter_collapsed{{drafter="{name}"}}' in text
+    rounds = read_rounds(rounds_file)
+    assert rounds and all(r.drafter == name and r.greedy for r in rounds)
+    # the greedy regime refits only for a drafter with a greedy confidence output; dry run either way
+    assert cli(["calibrate", "--online", str(rounds_file), "--drafter-path", str(drafter), "--min-rounds", "5",
+                "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["drafter"] == name and out["rounds_file"] == str(rounds_file)
+    assert cli(["calibrate", "--online", str(tmp_path / "missing.jsonl"), "--drafter-path", str(drafter)]) == 2
+    assert "--online" in capsys.readouterr().err
+
+
+def test_verifier_publishes_its_live_cost_table_and_the_scheduler_adopts_it(aio, redis_server, fixtures_dir,
+                                                                           reference, tmp_path):
+    target = _target_with_sps(fixtures_dir, tmp_path)
+    v = cluster.verifier(aio, target, None, redis_server.url, "v-live")
+    s = cluster.scheduler(aio, redis_url=redis_server.url, use_drafter=False, scheduler_id="s-live")
+    reg = Registry(RegistryConfig(redis_server.url))
+    try:
+        stub, ch = cluster.scheduler_stub(s)
+        prompt, _ = reference[0]
+        stub.GenerateUnary(cluster.ids_request(prompt, 48), timeout=120)
+        ch.close()
+        deadline = time.monotonic() + 10
+        rec = None
+        while time.monotonic() < deadline:
+            recs = [r for r in reg.pods("verifier") if r.id == "v-live"]
+            rec = recs[0] if recs else None
+            if rec is not None and rec.sps_context_length > 0:
+                break
+            time.sleep(0.2)
+        assert rec is not None and rec.sps_context_length >= len(prompt)
+        live = SpsTable(tuple(int(b) for b, _ in rec.sps_table), tuple(float(x) for _, x in rec.sps_table))
+        # the tiny fixture model is nowhere near the made-up prior: the published table is the measured one
+        measured = v.servicer.online_sps
+        assert measured.accepted > 0
+        assert live(1) == measured.table(measured.last_context)(1) and live(1) != PRIOR(1)
+        deadline = time.monotonic() + 5
+        while s.engine.sps(1) != live(1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.engine.sps(1) == live(1)  # the scheduler's policy reads the live table
+    finally:
+        reg.close()
+        cluster.stop(aio, s, v)
