@@ -81,10 +81,10 @@ def test_shapes_the_int4_kernel_cannot_take_stay_int8():
         gguf_linear(_blocks(w, Q.Q4_1), "Q4_1", (24, 64))
 
 
-def test_cli_choices_match_the_core():
-    from dspark_cli.models import WEIGHT_FORMATS as CLI_FORMATS
+def test_flag_choices_match_the_core():
+    from dspark_core.stack import WEIGHT_FORMATS as PARSED  # what --weights offers, importable without torch
 
-    assert CLI_FORMATS == WEIGHT_FORMATS
+    assert PARSED == WEIGHT_FORMATS
 
 
 # -- a GGUF file of the tiny llama, imported the way `dspark models import-gguf` leaves it
