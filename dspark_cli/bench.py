@@ -23,7 +23,8 @@ from pathlib import Path
 from dspark_core.errors import InvalidArgument
 
 from .models import models_dir, resolve_drafter_path, resolve_target
-from .options import DRAFTER_CHOICES, add_device_args, add_matmul_dtype_arg, add_target_arg, drafter_is_auto
+from .options import (DRAFTER_CHOICES, add_device_args, add_matmul_dtype_arg, add_target_arg, add_weights_arg,
+                      drafter_is_auto)
 
 DEFAULT_DATASETS = ("mbpp.jsonl", "livecodebench.jsonl")
 
@@ -61,11 +62,19 @@ def add_parser(sub) -> None:
                    help="assistant model directory for HF assisted generation (default: models/assistant)")
     p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
                    help="prompt_lookup_num_tokens of HF prompt-lookup decoding (default 10)")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer")
+    p.add_argument("--llamacpp-gguf", default=None, metavar="FILE.gguf",
+                   help="GGUF file for the llama.cpp peer (default: the one the target was imported from, its "
+                        "gguf_source.json); the peer runs when llama-cpp-python is installed (pip install "
+                        "'dspark[llamacpp]'), with torch's thread count")
+    p.add_argument("--llamacpp-prompt-lookup-tokens", type=int, default=10,
+                   help="num_pred_tokens of llama-cpp-python's prompt-lookup decoding (default 10; 0 = skip it)")
     p.add_argument("--profile-sps", action="store_true",
                    help="measure a quick SPS table in this process (not saved) instead of reading the target's "
                         "sps.json; without it, causal/async are skipped with a warning when the target has none")
     add_device_args(p)
     add_matmul_dtype_arg(p)
+    add_weights_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="also write the JSON object to this file")
     p.add_argument("--plot", default=None, metavar="OUT.png",
@@ -89,6 +98,10 @@ def check_args(args):
         raise InvalidArgument("--repeats", args.repeats, "must be >= 1")
     if args.block_size is not None and not 1 <= args.block_size <= 32:
         raise InvalidArgument("--block-size", args.block_size, "must be in [1, 32]")
+    if args.llamacpp_prompt_lookup_tokens < 0:
+        raise InvalidArgument("--llamacpp-prompt-lookup-tokens", args.llamacpp_prompt_lookup_tokens, "must be >= 0")
+    if args.llamacpp_gguf is not None and not Path(args.llamacpp_gguf).is_file():
+        raise InvalidArgument("--llamacpp-gguf", args.llamacpp_gguf, "must be an existing .gguf file")
     if args.hf_prompt_lookup_tokens < 1:
         raise InvalidArgument("--hf-prompt-lookup-tokens", args.hf_prompt_lookup_tokens, "must be >= 1")
     if args.drafter != "auto" and args.drafter_path:
@@ -161,10 +174,41 @@ def load_hf_peer(args, target_dir: str, warnings: list[str]):
                   eos_token_ids=tuple(eos), pad_token_id=model.generation_config.pad_token_id), asst_dir
 
 
+def load_llamacpp(args, target_dir: str, target, warnings: list[str]):
+    """The llama.cpp peer, or None (with the reason in `warnings` when one was wanted)."""
+    import importlib.util
+
+    import torch
+
+    from dspark_core.benchmark import load_llamacpp_peer
+    from dspark_core.gguf_import import gguf_source
+
+    if args.no_llamacpp:
+        return None
+    path = args.llamacpp_gguf
+    if path is None:
+        try:
+            path = gguf_source(target_dir)
+        except Exception as exc:  # noqa: BLE001 - a stale record: say so, run without the peer
+            warnings.append(f"llama.cpp peer skipped: {exc}")
+            return None
+        if path is None:
+            return None  # not a GGUF target: nothing to compare with, no warning
+    if importlib.util.find_spec("llama_cpp") is None:
+        warnings.append("llama.cpp peer skipped: llama-cpp-python is not installed "
+                        "(pip install 'dspark[llamacpp]')")
+        return None
+    n_ctx = min(target.max_context, 4096)
+    return load_llamacpp_peer(str(path), torch.get_num_threads(), n_ctx, args.llamacpp_prompt_lookup_tokens,
+                              target.eos_token_ids)
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
-    from dspark_core.benchmark import plan, plot_results, run_benchmark, total_requests
+    import torch
+
+    from dspark_core.benchmark import plan, plan_llamacpp, plot_results, run_benchmark, total_requests
     from dspark_core.profiling import quick_sps_table
 
     from .generate import _quiet_transformers
@@ -175,7 +219,7 @@ def run(args) -> int:
     target_dir = resolve_target(args.target)
     drafter_path = resolve_drafter_path(args.drafter, args.drafter_path, target_dir)
     target, drafter = load_stack(target_dir, drafter_path, args.device, args.dtype, args.drafter_matmul_dtype,
-                                 auto=drafter_is_auto(args))
+                                 auto=drafter_is_auto(args), weights=args.weights)
     prompts, source = load_prompt_list(args, target)
     warnings: list[str] = []
     wants_sps = any(p in ("causal", "async") for p in settings.policies)
@@ -195,12 +239,15 @@ def run(args) -> int:
         hf_config = {"assistant": asst_dir if hf.assistant is not None else None,
                      "prompt_lookup_num_tokens": args.hf_prompt_lookup_tokens, "dtype": "float32",
                      "assistant_schedule": "transformers default"}
+    llamacpp = load_llamacpp(args, target_dir, target, warnings)
     policies, hf_modes, plan_warnings = plan(settings, drafter, sps, hf)
     for w in warnings + plan_warnings:
         print(f"dspark bench: warning: {w}", file=sys.stderr)
-    bar = tqdm(total=total_requests(settings, len(prompts), policies, hf_modes), desc="bench", unit="req",
+    lc_modes, _ = plan_llamacpp(settings, llamacpp)
+    bar = tqdm(total=total_requests(settings, len(prompts), policies, hf_modes, lc_modes), desc="bench", unit="req",
                file=sys.stderr)
-    result = run_benchmark(target, drafter, prompts, settings, sps=sps, hf=hf, on_request_done=lambda: bar.update(1))
+    result = run_benchmark(target, drafter, prompts, settings, sps=sps, hf=hf, on_request_done=lambda: bar.update(1),
+                           llamacpp=llamacpp)
     bar.close()
     result["warnings"] = warnings + result["warnings"]
     result["config"] = {
@@ -213,6 +260,10 @@ def run(args) -> int:
         "sps_table": ({"batch_sizes": list(sps.batch_sizes), "steps_per_second": [round(v, 3) for v in sps.steps_per_second]}
                       if hasattr(sps, "batch_sizes") else None),
         "hf": hf_config,
+        "weights": target.weights, "weight_bytes_per_step": target.weight_bytes, "threads": torch.get_num_threads(),
+        "llamacpp": ({"gguf": llamacpp.gguf_path, "threads": llamacpp.threads,
+                      "prompt_lookup_num_tokens": args.llamacpp_prompt_lookup_tokens or None,
+                      "version": _llamacpp_version()} if llamacpp is not None else None),
         "protocol": ("closed loop per (policy, concurrency), max(prompts, 2 x concurrency) requests; per-user "
                      "time runs from add to finish (prefill included, no queueing); batch 1 interleaved per "
                      "prompt across policies and HF modes; speedups are medians of paired per-prompt ratios"),
@@ -232,6 +283,15 @@ def run(args) -> int:
     else:
         print(human_summary(result))
     return 0
+
+
+def _llamacpp_version() -> str | None:
+    try:
+        import llama_cpp
+
+        return str(llama_cpp.__version__)
+    except Exception:  # noqa: BLE001 - informative only
+        return None
 
 
 def _fingerprint(path: Path) -> str | None:
@@ -267,6 +327,10 @@ def human_summary(r: dict) -> str:
                      + ", ".join(f"{m} {v:.1f}" for m, v in r["hf"].items()))
         lines.append(f"batch-1 speedup over HF assisted ({r.get('hf_assisted_mode_compared')}): "
                      f"{_fmt(r.get('speedup_vs_hf_assisted_batch1'), '.2f', 'x')}")
+    if r.get("llamacpp"):
+        lines.append("llama.cpp at batch 1 (tokens/s): " + ", ".join(f"{m} {v:.1f}" for m, v in r["llamacpp"].items()))
+        lines.append(f"batch-1 autoregressive / llama.cpp plain: {_fmt(r.get('ar_vs_llamacpp_batch1'), '.2f', 'x')}; "
+                     f"speculative / llama.cpp plain: {_fmt(r.get('speedup_vs_llamacpp_batch1'), '.2f', 'x')}")
     cv = r.get("causal_vs_best_static") or {}
     if any(v is not None for v in cv.values()):
         lines.append("causal / best static aggregate: " + ", ".join(f"c={c} {_fmt(v)}" for c, v in cv.items()))

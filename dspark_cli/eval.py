@@ -16,7 +16,7 @@ from pathlib import Path
 from dspark_core.errors import InvalidArgument
 
 from .models import resolve_drafter_path, resolve_target
-from .options import add_device_args, add_drafter_args, add_matmul_dtype_arg, add_target_arg
+from .options import add_device_args, add_drafter_args, add_matmul_dtype_arg, add_target_arg, add_weights_arg
 
 TRUNCATION_NOTE = ("draft tokens are sampled from the top-{k} of softmax(logits / T), renormalised; the verifier "
                    "uses q on that support, so output stays lossless, but truncation can lower acceptance. "
@@ -51,6 +51,7 @@ def add_common_args(p, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed; request i uses its own stream (default 0)")
     add_device_args(p)
     add_matmul_dtype_arg(p)
+    add_weights_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -136,7 +137,8 @@ def load_models(args):
         raise InvalidArgument("--drafter", args.drafter, "must name a drafter trained for the target (a shipped name "
                               f"or --drafter-path DIR): this command measures one{': ' + why[0] if why else ''}")
     _quiet_transformers()
-    target, drafter = load_stack(target_dir, path, args.device, args.dtype, args.drafter_matmul_dtype)
+    target, drafter = load_stack(target_dir, path, args.device, args.dtype, args.drafter_matmul_dtype,
+                                 weights=args.weights)
     return target, drafter, path
 
 

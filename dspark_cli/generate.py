@@ -13,7 +13,7 @@ from dspark_core.text import encode_prompt
 
 from .models import load_sps, load_stack, note, resolve_drafter_path, resolve_target
 from .options import (add_device_args, add_drafter_args, add_matmul_dtype_arg, add_policy_arg, add_target_arg,
-                      add_temperature_arg, drafter_is_auto)
+                      add_temperature_arg, add_weights_arg, drafter_is_auto)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     add_device_args(p)
     add_matmul_dtype_arg(p)
+    add_weights_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -92,7 +93,7 @@ def run(args) -> int:
     target_dir = resolve_target(args.target)
     target, drafter = load_stack(target_dir, resolve_drafter_path(args.drafter, args.drafter_path, target_dir),
                                  args.device, args.dtype, args.drafter_matmul_dtype,
-                                 auto=drafter_is_auto(args))
+                                 auto=drafter_is_auto(args), weights=args.weights)
     params = sampling_params(args, stop_token_ids=target.eos_token_ids)
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else encode_prompt(
         target.tokenizer, args.prompt, args.raw)
@@ -130,6 +131,7 @@ def run(args) -> int:
             "drafter": getattr(drafter, "name", None),
             "drafter_matmul_dtype": None if drafter is None else matmul_dtype_name(drafter),
             "policy": policy,
+            "weights": target.weights,
         }))
     elif streamer is None:
         print(" ".join(map(str, req.output_ids)))

@@ -109,8 +109,8 @@ def drafter_dir(name_or_path: str) -> str:
 
 
 def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto",
-               drafter_matmul_dtype: str = "auto", auto: bool = False, say=_say_no_drafter):
+               drafter_matmul_dtype: str = "auto", auto: bool = False, say=_say_no_drafter, weights: str = "auto"):
     """`stack.load_stack` with the drafter's generated calibration and the CLI's note: a drafter trained for
     another target is a one-line error naming both, or with `auto` a note and the target alone."""
     return stack.load_stack(target_dir, drafter_path, device, dtype, drafter_matmul_dtype, auto=auto, say=say,
-                            calibration_file=calibration_of(drafter_path) if drafter_path else None)
+                            calibration_file=calibration_of(drafter_path) if drafter_path else None, weights=weights)

@@ -3,7 +3,7 @@ default and help everywhere (`dspark generate`, `eval`, `calibrate`, `bench`, `r
 
 - `--drafter {auto,none,dspark,...}` / `--drafter-path DIR`: `auto` is the default drafter when it was trained
   for the target (else none, said on stderr), `none` decodes autoregressively.
-- `--drafter-matmul-dtype` (`--matmul-dtype` is kept as a hidden alias), `--policy` (the names of the
+- `--drafter-matmul-dtype` (`--matmul-dtype` is kept as a hidden alias), `--weights`, `--policy` (the names of the
   dspark_core.scheduling registry, plus its aliases) and `--device` / `--dtype`: services.common.flags owns
   them, since the services take them too (and import nothing from the CLI).
 - `--temperature`: interactive commands (`generate`, `client generate`) default to INTERACTIVE_TEMPERATURE;
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dspark_core.scheduling import POLICY_ALIASES, POLICY_NAMES  # noqa: F401 - the CLI's names
 from dspark_core.stack import DRAFTER_NAMES, MATMUL_DTYPES  # noqa: F401 - the CLI's names
 from services.common.flags import (add_device_args, add_matmul_dtype_arg, add_policy_arg,  # noqa: F401
-                                   add_target_arg, policy_name)
+                                   add_target_arg, add_weights_arg, policy_name)
 
 DRAFTER_CHOICES = ("auto", "none", *DRAFTER_NAMES)
 INTERACTIVE_TEMPERATURE = 0.7

@@ -8,7 +8,7 @@ from pathlib import Path
 from dspark_core.errors import InvalidArgument
 
 from .models import SPS_FILE, generated_dir, resolve_target
-from .options import add_device_args, add_target_arg
+from .options import add_device_args, add_target_arg, add_weights_arg
 
 
 def add_parser(sub) -> None:
@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
                         "commands and services read it from there)")
     p.add_argument("--plot", default=None, help="PNG path for the curve (default: beside --out)")
     add_device_args(p)
+    add_weights_arg(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own; on a busy shared CPU, 1 is steadier)")
     p.add_argument("--raw", action="store_true",
@@ -72,7 +73,7 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)
     target_dir = resolve_target(args.target)
-    target = TargetRuntime(TargetConfig(target_dir, device=args.device, dtype=args.dtype))
+    target = TargetRuntime(TargetConfig(target_dir, device=args.device, dtype=args.dtype, weights=args.weights))
     bench = VerifyStepBench(target, context_length=args.context_length, block=args.block,
                             max_sequences=args.max_sequences)
     dense = min(args.max_batch, max(1, args.dense_until))
@@ -82,7 +83,7 @@ def run(args) -> int:
     grid = requests_grid(requests, args.block)
     bar = tqdm(total=args.repeats * (1 + len(grid)), desc="profile", unit="sweep")
     meta = dict(device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
-                context_length=args.context_length, model=target.name)
+                context_length=args.context_length, model=target.name, weights=target.weights)
     table = profile_sps(bench, sizes, repeats=args.repeats, warmup=2, progress=lambda: bar.update(1), **meta)
     rows = tuple((r, profile_sps(lambda b, r=r: bench(b, requests=r), bs, repeats=args.repeats, warmup=2,
                                  progress=lambda: bar.update(1), **meta)) for r, bs in grid.items())

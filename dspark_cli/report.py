@@ -13,7 +13,7 @@ import json
 from dspark_core.errors import InvalidArgument
 
 from .models import resolve_target, resolve_drafter_path
-from .options import add_device_args, add_drafter_args
+from .options import add_device_args, add_drafter_args, add_weights_arg
 
 
 def add_parser(sub) -> None:
@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--context-length", type=int, default=128, help="context per request for --head-cost")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per measurement (median)")
     add_device_args(p)
+    add_weights_arg(p)
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(func=run)
 
@@ -63,7 +64,7 @@ def head_cost(args) -> list[dict]:
         from .generate import _quiet_transformers
 
         _quiet_transformers()
-        target = TargetRuntime(TargetConfig(target_dir, device=args.device, dtype=args.dtype))
+        target = TargetRuntime(TargetConfig(target_dir, device=args.device, dtype=args.dtype, weights=args.weights))
         if args.context_length + drafter.block_size + 2 >= target.max_context:
             raise InvalidArgument("--context-length", args.context_length,
                                   f"must leave room for a block in the target's window ({target.max_context})")

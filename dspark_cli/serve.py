@@ -52,6 +52,7 @@ def _add_all_args(p: argparse.ArgumentParser) -> None:
 
     flags.add_common(p, 50051)
     flags.add_model(p)
+    flags.add_weights_arg(p, flags.env("WEIGHTS", "auto"))
     add_engine_args(p)
     add_target_arg(p, flags.env("TARGET"))
     add_drafter_args(p, flags.env("DRAFTER", "auto"), flags.env("DRAFTER_PATH"))
@@ -78,7 +79,7 @@ def _run_all(args) -> int:
         embedded_drafter_auto=drafter_is_auto(args), embedded_matmul_dtype=args.drafter_matmul_dtype,
         embedded_sps_file=str(sps) if (sps := find_generated(target, SPS_FILE)) else None,
         embedded_calibration_file=str(cal) if drafter and (cal := calibration_of(drafter)) else None,
-        served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+        served_model_name=args.served_model_name, device=args.device, dtype=args.dtype, weights=args.weights,
         policy=args.policy, block_size=args.block_size, max_active=args.max_active, max_waiting=args.max_waiting,
         default_max_new_tokens=args.default_max_new_tokens, profile_budget_s=args.sps_profile_seconds,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,

@@ -241,8 +241,10 @@ def run(args) -> int:
         target_dir = resolve_target(args.target)
         taps = _target_layers(target_dir, args)
         cfg = dataclasses.replace(cfg, target_layer_ids=taps)
+        # the loaded (for an imported GGUF: dequantized float32) weights: training data stays exact and does
+        # not depend on the CPU's packed kernels
         target = TargetRuntime(TargetConfig(model_dir=target_dir, device=str(ctx.device), dtype="auto",
-                                            tap_layer_ids=taps))
+                                            tap_layer_ids=taps, weights="float32"))
         cache_dir = Path(args.cache_dir or Path(args.out) / "cache")
         responses = _load_responses(args, target, say) if args.responses else None
         if responses is not None:

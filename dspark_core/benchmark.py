@@ -43,6 +43,7 @@ POLICIES = tuple(_REGISTRY)
 SPS_POLICIES = tuple(n for n, spec in _REGISTRY.items() if spec.needs_sps)
 CONFIDENCE_POLICIES = tuple(n for n, spec in _REGISTRY.items() if spec.needs_confidence)
 HF_MODES = ("greedy", "assisted", "prompt_lookup")
+LLAMACPP_MODES = ("greedy", "prompt_lookup")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,63 @@ class HFPeer:
     prompt_lookup_num_tokens: int = 10
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+
+
+@dataclass
+class LlamaCppPeer:
+    """llama.cpp (llama-cpp-python) on a GGUF file for the batch-1 peer: `llm` decodes plainly, `lookup_llm`
+    (optional) is the same file with llama-cpp-python's prompt-lookup draft model."""
+
+    llm: object
+    lookup_llm: object | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    threads: int = 1
+    gguf_path: str = ""
+
+
+def load_llamacpp_peer(gguf_path: str, threads: int, n_ctx: int, prompt_lookup_tokens: int | None,
+                       eos_token_ids: Sequence[int]) -> LlamaCppPeer:
+    """Both llama.cpp decoders on `gguf_path`, `threads` threads for decode and prompt alike. Raises
+    ImportError when llama-cpp-python is not installed (the optional extra `dspark[llamacpp]`)."""
+    from llama_cpp import Llama
+
+    def make(draft=None):
+        # logits_all with a draft model: llama-cpp-python 0.3.36 turns it on internally for drafts but sizes its
+        # score buffer by the argument, so a prompt longer than n_batch overflows it otherwise
+        return Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                     n_gpu_layers=0, verbose=False, draft_model=draft, logits_all=draft is not None)
+
+    lookup = None
+    if prompt_lookup_tokens:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        lookup = make(LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup_tokens))
+    eos = tuple(eos_token_ids)
+    return LlamaCppPeer(llm=make(), lookup_llm=lookup, eos_token_ids=eos, threads=threads, gguf_path=str(gguf_path))
+
+
+def llamacpp_generate(peer: LlamaCppPeer, mode: str, prompt_ids: Sequence[int], max_new_tokens: int
+                      ) -> tuple[list[int], float]:
+    """Greedy decoding by llama.cpp from our prompt token ids (so both sides see the same tokens); returns
+    (new token ids, seconds from the call to the last token, prompt processing included)."""
+    if mode == "greedy":
+        llm = peer.llm
+    elif mode == "prompt_lookup" and peer.lookup_llm is not None:
+        llm = peer.lookup_llm
+    else:
+        raise InvalidArgument("mode", mode, f"must be one of {', '.join(LLAMACPP_MODES)}")
+    stop = set(peer.eos_token_ids) | {llm.token_eos()}
+    out: list[int] = []
+    t0 = time.perf_counter()
+    # from an empty context, as our side prefills every prompt (llama-cpp-python's prefix reuse also lets the
+    # prompt-lookup model's rejected drafts pile up in its context until it overflows)
+    llm.reset()
+    for tok in llm.generate(list(prompt_ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                            reset=False):
+        out.append(int(tok))
+        if tok in stop or len(out) >= max_new_tokens:
+            break
+    return out, time.perf_counter() - t0
 
 
 def parse_int_list(text: str, flag: str) -> list[int]:
@@ -223,12 +281,13 @@ def hf_generate(peer: HFPeer, mode: str, prompt_ids: Sequence[int], max_new_toke
     return out[0, x.shape[1]:].tolist(), dt
 
 
-def total_requests(settings: BenchSettings, num_prompts: int, policies: Sequence[str], hf_modes: Sequence[str]) -> int:
+def total_requests(settings: BenchSettings, num_prompts: int, policies: Sequence[str], hf_modes: Sequence[str],
+                   llamacpp_modes: Sequence[str] = ()) -> int:
     """How many requests a run serves (for a progress bar)."""
     n = 0
     for c in settings.concurrencies:
         if c == 1:
-            n += num_prompts * (len(policies) + len(hf_modes))
+            n += num_prompts * (len(policies) + len(hf_modes) + len(llamacpp_modes))
         else:
             n += max(num_prompts, 2 * c) * len(policies)
     return n * settings.repeats
@@ -262,9 +321,20 @@ def plan(settings: BenchSettings, drafter, sps, hf: "HFPeer | None") -> tuple[li
     return policies, hf_modes, warnings
 
 
+def plan_llamacpp(settings: BenchSettings, peer: "LlamaCppPeer | None") -> tuple[list[str], list[str]]:
+    """(llama.cpp modes that will run, warnings about what is skipped)."""
+    if peer is None:
+        return [], []
+    if 1 not in settings.concurrencies:
+        return [], ["llama.cpp peer skipped: it runs at concurrency 1, which is not measured"]
+    if settings.temperature != 0:
+        return [], ["llama.cpp peer skipped: it is measured greedy only (--temperature 0)"]
+    return [m for m in LLAMACPP_MODES if m == "greedy" or peer.lookup_llm is not None], []
+
+
 def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: BenchSettings, sps=None,
                   hf: HFPeer | None = None, on_request_done: Callable[[], None] | None = None,
-                  keep_outputs: bool = False) -> dict:
+                  keep_outputs: bool = False, llamacpp: LlamaCppPeer | None = None) -> dict:
     """Run every (policy, concurrency) point (and the HF peer at batch 1) and return the result object.
 
     `prompts` are token ids. `sps` is the target's SPS(B) callable (None: causal and async are skipped,
@@ -274,6 +344,8 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
     if not prompts:
         raise InvalidArgument("prompts", prompts, "must hold at least one prompt")
     policies, hf_modes, warnings = plan(settings, drafter, sps, hf)
+    lc_modes, lc_warnings = plan_llamacpp(settings, llamacpp)
+    warnings += lc_warnings
     stop = tuple(getattr(target, "eos_token_ids", ()) or ())
 
     def params_for(i):
@@ -283,17 +355,21 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
     outputs: dict[tuple[str, int], dict[int, list[int]]] = {}
     batch1: dict[str, list[tuple[int, int, RequestRecord]]] = {}  # name -> [(repeat, prompt index, record)]
     hf_out: dict[str, dict[int, list[int]]] = {}
+    lc_out: dict[str, dict[int, list[int]]] = {}
 
     # -- batch 1: every prompt under every policy and HF mode, back to back, rotating the order
     if 1 in settings.concurrencies:
         engines = {p: make_engine(target, drafter, p, 1, settings, sps) for p in policies}
-        names = [*policies, *[f"hf_{m}" for m in hf_modes]]
+        names = [*policies, *[f"hf_{m}" for m in hf_modes], *[f"llamacpp_{m}" for m in lc_modes]]
         for rep in range(settings.repeats):
             for i, prompt in enumerate(prompts):
                 k = (rep * len(prompts) + i) % len(names)
                 for name in names[k:] + names[:k]:
                     if name.startswith("hf_"):
                         ids, dt = hf_generate(hf, name[3:], prompt, settings.max_new_tokens)
+                        rec = RequestRecord(i, len(ids), dt, 0.0, 0, 0, ids)
+                    elif name.startswith("llamacpp_"):
+                        ids, dt = llamacpp_generate(llamacpp, name[9:], prompt, settings.max_new_tokens)
                         rec = RequestRecord(i, len(ids), dt, 0.0, 0, 0, ids)
                     else:
                         recs, _ = closed_loop(engines[name], [prompt], 1, 1, lambda _j, i=i: params_for(i))
@@ -309,6 +385,8 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
             outputs[(p, 1)] = {r.prompt_index: r.output_ids for r in runs[0]}
         for m in hf_modes:
             hf_out[m] = {i: r.output_ids for rp, i, r in batch1[f"hf_{m}"] if rp == 0}
+        for m in lc_modes:
+            lc_out[m] = {i: r.output_ids for rp, i, r in batch1[f"llamacpp_{m}"] if rp == 0}
 
     # -- concurrency > 1: closed loops, policies interleaved within each repeat
     for rep in range(settings.repeats):
@@ -357,6 +435,16 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
             out["hf_outputs"] = {m: {i: hf_out[m][i] for i in sorted(hf_out[m])} for m in hf_modes}
     else:
         out["hf"] = None
+    out["llamacpp"] = None
+    if lc_modes:
+        out["llamacpp"] = {m: round(_rate([r for _, _, r in batch1[f"llamacpp_{m}"]]), 3) for m in lc_modes}
+        out["llamacpp_per_request_median"] = {
+            m: round(statistics.median(r.tokens_per_s for _, _, r in batch1[f"llamacpp_{m}"]), 3) for m in lc_modes}
+        ref = outputs.get(("ar", 1))
+        # informative: llama.cpp computes the same weights with other kernels, so ties can break differently
+        out["llamacpp_outputs_match_ar"] = ({m: all(ref.get(i) == ids for i, ids in lc_out[m].items())
+                                             for m in lc_modes} if ref is not None else None)
+        out.update(llamacpp_speedups(batch1, out.get("batch1_policy"), lc_modes))
     out["causal_vs_best_static"] = causal_vs_best_static(results, settings.concurrencies)
     out["per_user_speedup_vs_gamma1_at_matched_throughput"] = matched_throughput_speedup(results)
     out["per_user_speedup_vs_gamma1_at_least_matched_throughput"] = at_least_matched_speedup(results)
@@ -370,14 +458,20 @@ def _rate(recs: Sequence[RequestRecord]) -> float:
     return sum(r.tokens for r in recs) / max(sum(r.seconds for r in recs), 1e-9)
 
 
+def paired_ratio(batch1: dict, a: str, b: str) -> float | None:
+    """Median over (repeat, prompt) of tokens/s(a) / tokens/s(b), the two run back to back; None if either is
+    missing."""
+    if a not in batch1 or b not in batch1:
+        return None
+    bk = {(rep, i): r for rep, i, r in batch1[b]}
+    ratios = [r.tokens_per_s / bk[(rep, i)].tokens_per_s for rep, i, r in batch1[a] if (rep, i) in bk]
+    return round(statistics.median(ratios), 4) if ratios else None
+
+
 def batch1_speedups(batch1: dict, policies: Sequence[str], hf_modes: Sequence[str], headline: str) -> dict:
     """Paired batch-1 ratios: median over (repeat, prompt) of tokens/s(a) / tokens/s(b), run back to back."""
     def paired(a: str, b: str) -> float | None:
-        if a not in batch1 or b not in batch1:
-            return None
-        bk = {(rep, i): r for rep, i, r in batch1[b]}
-        ratios = [r.tokens_per_s / bk[(rep, i)].tokens_per_s for rep, i, r in batch1[a] if (rep, i) in bk]
-        return round(statistics.median(ratios), 4) if ratios else None
+        return paired_ratio(batch1, a, b)
 
     spec = [p for p in policies if p != "ar"]
     out: dict = {"batch1_policy": None, "speedup_vs_ar_batch1": None, "speedup_vs_hf_assisted_batch1": None,
@@ -396,6 +490,19 @@ def batch1_speedups(batch1: dict, policies: Sequence[str], hf_modes: Sequence[st
         out["hf_assisted_mode_compared"] = best
         out["speedup_vs_hf_assisted_batch1"] = paired(pick, f"hf_{best}")
         out["speedup_vs_hf_greedy_batch1"] = paired(pick, "hf_greedy")
+    return out
+
+
+def llamacpp_speedups(batch1: dict, pick: str | None, lc_modes: Sequence[str]) -> dict:
+    """Paired batch-1 ratios against llama.cpp's plain decoding (and its prompt lookup)."""
+    def paired(a: str, b: str) -> float | None:
+        return paired_ratio(batch1, a, b)
+
+    out = {"ar_vs_llamacpp_batch1": paired("ar", "llamacpp_greedy"),
+           "speedup_vs_llamacpp_batch1": paired(pick, "llamacpp_greedy") if pick else None,
+           "speedup_vs_llamacpp_prompt_lookup_batch1": None}
+    if pick and "prompt_lookup" in lc_modes:
+        out["speedup_vs_llamacpp_prompt_lookup_batch1"] = paired(pick, "llamacpp_prompt_lookup")
     return out
 
 

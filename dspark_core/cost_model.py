@@ -30,7 +30,7 @@ from dspark_core.errors import InvalidArgument
 SPS_TABLE_FORMAT = "dspark-sps-table"
 SPS_TABLE_VERSION = 1
 
-_METADATA_FIELDS = ("device", "dtype", "context_length", "model")
+_METADATA_FIELDS = ("device", "dtype", "context_length", "model", "weights")
 _DENSE_LIMIT = 1 << 16  # largest B cached by SpsTable.sps_range; larger B are computed per call
 
 
@@ -64,6 +64,8 @@ class SpsTable:
     dtype: str | None = None
     context_length: int | None = None
     model: str | None = None
+    # the target's served weight format (`--weights`): the cost curve is that format's
+    weights: str | None = None
     # Optional rows measured with exactly R requests in the pass ((R, table over B >= R), R increasing): a step
     # of 8 tokens costs less as one request verifying 8 than as 8 requests verifying one each (attention over
     # one context, not 8). `for_requests(R)` reads them; the plain table is what B alone says.
@@ -173,7 +175,8 @@ class SpsTable:
             return self
         return SpsTable(batch_sizes=self.batch_sizes,
                         steps_per_second=tuple(1.0 / (t + seconds) for t in self._step_times),
-                        device=self.device, dtype=self.dtype, context_length=self.context_length, model=self.model)
+                        device=self.device, dtype=self.dtype, context_length=self.context_length, model=self.model,
+                        weights=self.weights)
 
     def for_requests(self, r: int) -> "SpsTable":
         """SPS(B) of a pass that carries `r` requests' tokens (what a scheduler deciding one step knows).
@@ -199,7 +202,7 @@ class SpsTable:
                              steps_per_second=tuple(1.0 / ((1 - w) * t0.step_time(b) + w * t1.step_time(b))
                                                     for b in sizes),
                              device=self.device, dtype=self.dtype, context_length=self.context_length,
-                             model=self.model)
+                             model=self.model, weights=self.weights)
         self._per_requests[r] = table
         return table
 
@@ -374,7 +377,7 @@ def monotone(table: SpsTable) -> SpsTable:
     rows = None if not table.by_requests else tuple((r, monotone(t)) for r, t in table.by_requests)
     return SpsTable(batch_sizes=table.batch_sizes, steps_per_second=tuple(1.0 / t for t in times),
                     device=table.device, dtype=table.dtype, context_length=table.context_length, model=table.model,
-                    by_requests=rows)
+                    weights=table.weights, by_requests=rows)
 
 
 def sps_callable(sps: SpsLike) -> Callable[[int], float]:
@@ -460,6 +463,7 @@ def profile_sps(
     dtype: str | None = None,
     context_length: int | None = None,
     model: str | None = None,
+    weights: str | None = None,
     progress: Callable[[], object] | None = None,
 ) -> SpsTable:
     """Measure SPS(B): for each batch size, `warmup` untimed calls of `step_fn(b)`, then `repeats` timed
@@ -508,6 +512,7 @@ def profile_sps(
         dtype=dtype,
         context_length=context_length,
         model=model,
+        weights=weights,
     )
 
 

@@ -10,7 +10,8 @@ says whether a model qualifies; anything else keeps the stock module. RoPE comes
 rotary embedding, so scaled variants (linear, dynamic, YaRN, llama3) keep their exact cos/sin.
 
 The weights are shared with the HF model (the fused matrices are concatenated copies, about one extra
-copy of the attention and MLP input projections). Equality with the HF forward is tested
+copy of the attention and MLP input projections), or packed copies in another format (`linear`, see
+dspark_core.packed_weights). Equality with the HF forward is tested
 (tests/core/test_fast_decoder.py).
 
 Knows nothing about slots, sequences or sampling: the caller supplies the KV cache object (anything with
@@ -22,11 +23,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .packed_weights import DenseLinear, PackedLinear
+
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF's Llama/Qwen RMSNorm: normalise in fp32, cast back, then scale
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # one fused op instead of six, bitwise the code below for float32 (tests/drafters/test_fast_paths.py)
+        return F.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -38,22 +44,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class _Layer:
-    __slots__ = ("in_norm", "post_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "gate_up_w",
-                 "down_w")
+def dense_linear(parts: list[tuple[str, torch.nn.Linear]]) -> DenseLinear:
+    """The default `linear` builder: the parts' weights row-concatenated, as loaded (float32: no cast)."""
+    linears = [l for _, l in parts]
+    weight = linears[0].weight if len(linears) == 1 else torch.cat([l.weight for l in linears])
+    biases = [l.bias for l in linears]
+    bias = torch.cat(biases).detach() if all(b is not None for b in biases) else None
+    return DenseLinear(weight.detach(), bias)
 
-    def __init__(self, layer):
+
+class _Layer:
+    __slots__ = ("in_norm", "post_norm", "qkv", "q_norm", "k_norm", "o", "gate_up", "down")
+
+    def __init__(self, layer, index: int, linear):
         attn, mlp = layer.self_attn, layer.mlp
         self.in_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
-        self.qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        self.qkv_b = torch.cat(biases).detach() if all(b is not None for b in biases) else None
+        pre = f"layers.{index}."
+        self.qkv = linear([(pre + f"self_attn.{n}_proj", getattr(attn, f"{n}_proj")) for n in "qkv"])
         self.q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None
         self.k_norm = attn.k_norm.weight if hasattr(attn, "k_norm") else None
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
-        self.down_w = mlp.down_proj.weight
+        self.o = linear([(pre + "self_attn.o_proj", attn.o_proj)])
+        self.gate_up = linear([(pre + "mlp.gate_proj", mlp.gate_proj), (pre + "mlp.up_proj", mlp.up_proj)])
+        self.down = linear([(pre + "mlp.down_proj", mlp.down_proj)])
 
 
 class LeanDecoder:
@@ -78,7 +91,10 @@ class LeanDecoder:
             return "tensor-parallel pretraining split"
         return None
 
-    def __init__(self, decoder, hf_config):
+    def __init__(self, decoder, hf_config, linear=None):
+        """`linear(parts) -> PackedLinear` builds each (fused) projection from its parts, a list of
+        (name, nn.Linear) with names like `layers.3.self_attn.q_proj` (default: `dense_linear`, the loaded
+        weights; dspark_core.target passes int8 / int4 / GGUF builders for `--weights`)."""
         reason = self.supports(hf_config)
         if reason is not None:
             raise ValueError(f"LeanDecoder does not support this model: {reason}")
@@ -90,10 +106,14 @@ class LeanDecoder:
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
-        self.layers = [_Layer(layer) for layer in decoder.layers]
+        self.layers = [_Layer(layer, i, linear or dense_linear) for i, layer in enumerate(decoder.layers)]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.inter = self.layers[0].gate_up_w.shape[0] // 2 if self.layers else 0
+        self.inter = getattr(hf_config, "intermediate_size", 0)
+
+    def linears(self) -> list[PackedLinear]:
+        """Every matmul of one forward but the LM head, in order."""
+        return [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down)]
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -119,7 +139,7 @@ class LeanDecoder:
         cos, sin = cos[:, None], sin[:, None]
         for li, L in enumerate(self.layers):
             hs = _rms_norm(x, L.in_norm, self.eps)
-            qkv = F.linear(hs, L.qkv_w, L.qkv_b)  # [N, (h + 2 kvh) d]
+            qkv = L.qkv(hs)  # [N, (h + 2 kvh) d]
             if rows is not None:
                 qkv = qkv.new_zeros(n * q, qkv.shape[-1]).index_copy_(0, rows, qkv)
             qs, ks, vs = qkv.view(n, q, -1).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -139,10 +159,10 @@ class LeanDecoder:
             attn = attn.transpose(1, 2).reshape(n * q, h * d)
             if rows is not None:
                 attn = attn.index_select(0, rows)
-            x = x + F.linear(attn, L.o_w, L.o_b)
+            x = x + L.o(attn)
             hs = _rms_norm(x, L.post_norm, self.eps)
-            gate, up = F.linear(hs, L.gate_up_w).split(self.inter, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L.down_w)
+            gate, up = L.gate_up(hs).split(self.inter, dim=-1)
+            x = x + L.down(F.silu(gate) * up)
             if li in keep_layers:
                 kept[li] = x
         return _rms_norm(x, self.norm_w, self.eps), kept

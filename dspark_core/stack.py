@@ -28,6 +28,8 @@ from .errors import ModelLoadError
 DRAFTER_NAMES = ("dspark", "dspark-rnn", "dflash", "eagle3")
 # == dspark_core.drafters.checkpoint.MATMUL_DTYPES (tested), spelled out here so parsing needs no torch
 MATMUL_DTYPES = ("auto", "float32", "bfloat16", "int8")
+# == dspark_core.packed_weights.WEIGHT_FORMATS (tested): the target's `--weights`
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 
 
 def models_dir(root: str | Path | None = None) -> Path:
@@ -123,16 +125,17 @@ def load_drafter_runtime(drafter_path: str, device: str = "auto", dtype: str = "
 
 
 def load_target_runtime(target_dir: str, device: str = "auto", dtype: str = "auto",
-                        tap_layer_ids: tuple[int, ...] = ()):
+                        tap_layer_ids: tuple[int, ...] = (), weights: str = "auto"):
+    """A target on `device` in `dtype`, its matmuls in `weights` (dspark_core.packed_weights)."""
     from .target import TargetConfig, TargetRuntime
 
     return TargetRuntime(TargetConfig(model_dir=target_dir, device=device, dtype=dtype,
-                                      tap_layer_ids=tuple(tap_layer_ids)))
+                                      tap_layer_ids=tuple(tap_layer_ids), weights=weights))
 
 
 def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto",
                drafter_matmul_dtype: str = "auto", auto: bool = False, say=None,
-               calibration_file: str | Path | None = None):
+               calibration_file: str | Path | None = None, weights: str = "auto"):
     """(target, drafter or None). The drafter loads first: its config says which target layers to tap.
 
     The drafter must have been trained for this target (`drafters.target_record`: shapes before anything
@@ -146,7 +149,8 @@ def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", 
 
         tr.check_shapes(load_config(drafter_path), drafter_path, target_dir)
         drafter = load_drafter_runtime(drafter_path, device, dtype, drafter_matmul_dtype, calibration_file)
-    target = load_target_runtime(target_dir, device, dtype, tuple(drafter.target_layer_ids) if drafter else ())
+    target = load_target_runtime(target_dir, device, dtype, tuple(drafter.target_layer_ids) if drafter else (),
+                                 weights)
     if drafter is not None and target.vocab_size != drafter.vocab_size:
         raise ModelLoadError(
             f"drafter vocabulary ({drafter.vocab_size}) does not match the target's ({target.vocab_size})")

@@ -22,6 +22,7 @@ embedding output, and the last layer is refused (HF returns it after the final n
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,9 @@ from transformers.cache_utils import Cache
 
 from .errors import InvalidArgument, ModelLoadError, ResourceExhausted
 from .fast_decoder import LeanDecoder
+from .packed_weights import WEIGHT_FORMATS, DenseLinear, PackedLinear
 
+_log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -66,8 +69,14 @@ class TargetConfig:
     # run supported architectures (Llama, Mistral, Qwen2, Qwen3) through dspark_core.fast_decoder, the same
     # computation without the stock module's per-call overhead; False = always the stock HF module
     lean: bool = True
+    # the matmul weights served (dspark_core.packed_weights): auto = the GGUF file's own blocks when the directory
+    # was imported from one (gguf_source.json), else the loaded weights; float32 = the loaded (for an imported
+    # GGUF: dequantized) weights; bfloat16 / int8 / int4 = packed copies of them; gguf = the GGUF's blocks
+    weights: str = "auto"
 
     def __post_init__(self):
+        if self.weights not in WEIGHT_FORMATS:
+            raise InvalidArgument("weights", self.weights, f"must be one of {', '.join(WEIGHT_FORMATS)}")
         ids = tuple(self.tap_layer_ids)
         if any(not isinstance(i, int) for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
             raise InvalidArgument("tap_layer_ids", self.tap_layer_ids, "must be strictly increasing integers")
@@ -269,9 +278,59 @@ class TargetRuntime:
         self._lm_head = self.model.get_output_embeddings()
         self.cache = SlotKVCache(self.num_layers, self.device, self.dtype, self.max_context)
         self._lean = None
-        if config.lean and LeanDecoder.supports(text_config) is None:
+        self.weights = self._resolve_weights(config, text_config, path)
+        self._lm_mm: PackedLinear = DenseLinear(self._lm_head.weight.detach(), self._lm_head.bias)
+        if self.weights != "float32":
+            try:
+                self._lean, self._lm_mm = _packed_decoder(self.weights, self._decoder, text_config, self._lm_head,
+                                                          path)
+            except ModelLoadError as exc:
+                if config.weights != "auto":
+                    raise
+                _log.warning("serving the dequantized float32 weights: %s", exc)
+                self.weights = "float32"
+        if self._lean is None and config.lean and LeanDecoder.supports(text_config) is None:
             self._lean = LeanDecoder(self._decoder, text_config)
+        # bytes of matmul weights one decode step reads (embedding rows and norms are noise beside them)
+        if self._lean is not None:
+            self.weight_bytes: int = sum(m.nbytes for m in self._lean.linears()) + self._lm_mm.nbytes
+        else:
+            self.weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in self._decoder.modules()
+                                    if isinstance(m, torch.nn.Linear)) + self._lm_mm.nbytes
         self._sequences: list[Sequence] = []  # index == slot
+
+    def _resolve_weights(self, config: TargetConfig, text_config, path: Path) -> str:
+        """The weight format to serve: `auto` is `gguf` for a directory imported from a GGUF file when the packed
+        kernels can run it (CPU, float32, Llama/Qwen family), else `float32`. Explicit formats that cannot run
+        are refused with the reason."""
+        from .gguf_import import GGUF_SOURCE, gguf_source
+        from .packed_weights import packed_kernels_available
+
+        fmt = config.weights
+        imported = (path / GGUF_SOURCE).is_file()
+        if fmt == "auto":
+            packable = (self.device.type == "cpu" and self.dtype == torch.float32 and config.lean
+                        and LeanDecoder.supports(text_config) is None and packed_kernels_available())
+            return "gguf" if imported and packable else "float32"
+        if fmt == "float32":
+            return fmt
+        if fmt == "gguf":
+            if not imported:
+                raise InvalidArgument("weights", fmt, f"needs a target imported from a GGUF file ({path} has no "
+                                      f"{GGUF_SOURCE}; see `dspark models import-gguf`)")
+            gguf_source(path)  # raises when the recorded file is gone or changed
+        if self.device.type != "cpu":
+            raise InvalidArgument("weights", fmt, "packed weights run on the CPU only (use --weights float32)")
+        if self.dtype != torch.float32:
+            raise InvalidArgument("weights", fmt, "packed weights take float32 activations (use --dtype float32)")
+        if not config.lean:
+            raise InvalidArgument("weights", fmt, "packed weights run in the lean decoder (lean=True)")
+        reason = LeanDecoder.supports(text_config)
+        if reason is not None:
+            raise InvalidArgument("weights", fmt, f"packed weights need a Llama/Qwen-family target ({reason})")
+        if not packed_kernels_available():
+            raise InvalidArgument("weights", fmt, "this PyTorch build lacks the int8/int4 CPU weight kernels")
+        return fmt
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
@@ -419,7 +478,7 @@ class TargetRuntime:
             h = flat_hidden.index_select(0, last.to(self.device))  # [n, hidden]
         else:
             h = flat_hidden  # [num_tokens, hidden]
-        logits = self._lm_head(h).float()
+        logits = self._lm_mm(h).float()
         final_hidden = flat_hidden if return_final_hidden else None
         taps = h.new_zeros((sum(counts), 0))
         if flat_taps:
@@ -445,3 +504,66 @@ class TargetRuntime:
         cu[1:] = torch.cumsum(torch.tensor(counts), 0)
         return RaggedOutput(logits=logits, taps=taps, cu_seqlens=cu, last_only=last_logits_only,
                             final_hidden=final_hidden)
+
+
+def _packed_decoder(fmt: str, decoder, text_config, lm_head, path: Path) -> tuple[LeanDecoder, PackedLinear]:
+    """The lean decoder and LM head with their matmuls in `fmt` (bfloat16, int8, int4 or gguf)."""
+    from .packed_weights import gguf_linear, make_linear
+
+    if fmt != "gguf":
+        def linear(parts):
+            weight = torch.cat([l.weight for _, l in parts]).detach()
+            biases = [l.bias for _, l in parts]
+            return make_linear(weight, torch.cat(biases).detach() if all(b is not None for b in biases) else None,
+                               fmt)
+
+        return LeanDecoder(decoder, text_config, linear), make_linear(lm_head.weight, lm_head.bias, fmt)
+
+    from .gguf_import import gguf_raw_tensors, gguf_source
+    from .packed_weights import ConcatLinear, gguf_dequantize
+
+    src = gguf_source(path)
+    raw = gguf_raw_tensors(src, text_config)
+    params = dict(decoder.named_modules())
+
+    def blocks(name: str, module_weight: torch.Tensor):
+        if name not in raw:
+            raise ModelLoadError(f"{src.name} has no tensor for {name}")
+        r, qtype, shape = raw[name]
+        if r is None:
+            raise ModelLoadError(f"{src.name}: {name} is of GGUF {qtype}, not served packed (Q4_0, Q4_1, Q8_0, "
+                                 "F32, F16, BF16 are; use --weights float32 for the dequantized model)")
+        if tuple(shape) != tuple(module_weight.shape):
+            raise ModelLoadError(f"{src.name}: {name} is {shape}, the model's is {tuple(module_weight.shape)}")
+        # the directory's float32 weights are this file's values (dspark models import-gguf): check it, so
+        # `--weights gguf` and `--weights float32` serve the same model
+        if not torch.equal(gguf_dequantize(r, qtype, shape), module_weight.detach().float()):
+            raise ModelLoadError(f"{src.name}: tensor {name} does not match the weights in {path} "
+                                 "(re-run `dspark models import-gguf`)")
+        return r, qtype, shape
+
+    def linear(parts):
+        got = [(blocks(n, l.weight), l) for n, l in parts]
+        biases = [l.bias for _, l in parts]
+        bias = torch.cat(biases).detach() if all(b is not None for b in biases) else None
+        types = {g[0][1] for g in got}
+        if len(types) == 1:  # one kernel over the row-concatenated blocks
+            (r0, qtype, (_, k)) = got[0][0]
+            cat = torch.cat([g[0][0] for g in got])
+            try:
+                out = gguf_linear(cat, qtype, (cat.shape[0], k))
+            except ValueError as exc:
+                raise ModelLoadError(f"{src.name}: {exc}") from exc
+            out.bias = bias
+            return out
+        out = ConcatLinear([gguf_linear(*g[0]) for g in got], bias)
+        return out
+
+    lean = LeanDecoder(decoder, text_config, linear)
+    head_name = "lm_head" if "lm_head" in raw else "embed_tokens"
+    r, qtype, shape = blocks(head_name, lm_head.weight)
+    if head_name != "embed_tokens":
+        blocks("embed_tokens", params["embed_tokens"].weight)  # the lookup uses the (equal) float32 table
+    head = gguf_linear(r, qtype, shape)
+    head.bias = lm_head.bias
+    return lean, head

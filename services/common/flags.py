@@ -87,6 +87,19 @@ def add_matmul_dtype_arg(p, default: str = "auto") -> None:
     p.add_argument("--matmul-dtype", dest="drafter_matmul_dtype", choices=MATMUL_DTYPES, help=argparse.SUPPRESS)
 
 
+def add_weights_arg(p, default: str = "auto") -> None:
+    """`--weights`: what the target's matmuls read (dspark_core.packed_weights), for every command and service
+    that loads a target."""
+    from dspark_core.stack import WEIGHT_FORMATS
+
+    p.add_argument("--weights", default=default, choices=WEIGHT_FORMATS,
+                   help="target matmul weights: auto (a target imported from a GGUF file serves the file's own "
+                        "quantization, as llama.cpp does; any other its loaded weights), float32 (the loaded "
+                        "weights; for an imported GGUF the dequantized model), bfloat16, int8 (per channel), int4 "
+                        "(groups of 32), gguf (the file's Q4_0/Q4_1/Q8_0 blocks); packed formats run on the CPU "
+                        "(default %(default)s)")
+
+
 def install_dir() -> str:
     """`$DSPARK_HOME/models` (what `dspark profile` / `calibrate` generated for shipped models lives there)."""
     from dspark_core.stack import install_dir as root

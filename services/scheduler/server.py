@@ -55,6 +55,7 @@ class SchedulerConfig:
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "auto"
     # embedded, no sps.json for the target: seconds to spend profiling a quick cost table at start-up
     profile_budget_s: float = 30.0
     policy: str = "fixed"
@@ -160,7 +161,7 @@ class SchedulerApp(ServingApp):
 
         target, drafter = load_stack(c.embedded_target, c.embedded_drafter, c.device, c.dtype,
                                      c.embedded_matmul_dtype, auto=c.embedded_drafter_auto, say=no_drafter,
-                                     calibration_file=c.embedded_calibration_file)
+                                     calibration_file=c.embedded_calibration_file, weights=c.weights)
         sps = None
         if drafter is not None and policy_spec(c.policy).needs_sps:
             sps = startup_sps(target, c.embedded_target, c.profile_budget_s, c.embedded_sps_file)

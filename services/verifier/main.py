@@ -12,6 +12,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     flags.add_common(p, 50052)
     flags.add_model(p)
     flags.add_target_arg(p, flags.env("TARGET"))
+    flags.add_weights_arg(p, flags.env("WEIGHTS", "auto"))
     p.add_argument("--drafter-path", default=flags.env("DRAFTER_PATH"),
                    help="drafter checkpoint whose config names the target layers to tap")
     p.add_argument("--tap-layer-ids", default=flags.env("TAP_LAYER_IDS"),
@@ -44,7 +45,7 @@ def run(args) -> int:
     target = resolve_target(args.target, flags.env("MODELS_DIR"), flags.env("HOME"))
     cfg = VerifierConfig(
         target=target, server=ServerConfig(args.port, args.host, args.drain_seconds),
-        device=args.device, dtype=args.dtype, tap_layer_ids=taps, drafter_path=args.drafter_path,
+        device=args.device, dtype=args.dtype, weights=args.weights, tap_layer_ids=taps, drafter_path=args.drafter_path,
         redis_url=args.redis_url, verifier_id=args.id, advertise_host=args.advertise_host,
         advertise_address=args.advertise_address, max_active=args.max_active,
         idle_ttl_s=args.idle_ttl, profile_budget_s=args.sps_profile_seconds,

@@ -33,6 +33,7 @@ class VerifierConfig:
     server: ServerConfig
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "auto"
     # target layers to tap for the drafters (None: read them from drafter_path's config.json)
     tap_layer_ids: tuple[int, ...] | None = None
     drafter_path: str | None = None
@@ -118,7 +119,7 @@ class VerifierApp(PodLifecycle):
         from dspark_core.verifier import PrefillItem, Verifier
 
         cfg = self.config
-        target = load_target_runtime(cfg.target, cfg.device, cfg.dtype, resolve_taps(cfg))
+        target = load_target_runtime(cfg.target, cfg.device, cfg.dtype, resolve_taps(cfg), cfg.weights)
         if cfg.drafter_path and cfg.tap_layer_ids is None:
             from dspark_core.drafters.config import load_config
             from dspark_core.drafters.target_record import check_fingerprint

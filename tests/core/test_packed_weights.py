@@ -1,0 +1,270 @@
+"""Packed target weights (`--weights`): GGUF blocks keep their codes, the kernels are batch-invariant, and every
+format's speculative greedy output equals its own autoregressive output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_core.engine import Engine, EngineConfig
+from dspark_core.errors import InvalidArgument, ModelLoadError
+from dspark_core.packed_weights import (WEIGHT_FORMATS, gguf_dequantize, gguf_linear, make_linear,
+                                        packed_kernels_available)
+from dspark_core.sampling import SamplingParams
+from dspark_core.target import TargetConfig, TargetRuntime
+
+from drafter_doubles import OracleDrafter
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(not packed_kernels_available(), reason="no int8/int4 CPU weight kernels")]
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+PROMPTS = [[5, 9, 12, 30, 41], [7, 7, 8], [100, 3, 19, 22, 23, 24, 60, 61, 90], [2]]
+PACKED = ("bfloat16", "int8", "int4")
+
+
+def _blocks(w: torch.Tensor, qtype) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype))
+
+
+# -- the blocks and the kernels
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_keep_their_codes(qtype):
+    torch.manual_seed(0)
+    w = torch.randn(32, 128) * 0.1
+    raw = _blocks(w, Q[qtype])
+    ggml = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q[qtype]))
+    # our reading of the blocks is ggml's (what `dspark models import-gguf` stored as float32)
+    assert torch.equal(gguf_dequantize(raw, qtype, (32, 128)), ggml)
+    lin = gguf_linear(raw, qtype, (32, 128))
+    served = lin.dequantized()
+    # the codes are the file's; only the fp16 block scales (and mins) are rounded to the kernel's bf16
+    b = raw.reshape(32, 4, -1)
+    d = b[..., :2].contiguous().view(torch.float16).float()  # [32, 4, 1]
+    d_bf = d.bfloat16().float()
+    if qtype == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        assert torch.equal(served, (d_bf * q).reshape(32, 128))  # the nibble split is exact
+    else:
+        scale_err = (d - d_bf).abs() * (16 if qtype == "Q4_1" else 8)
+        m_err = 0 if qtype == "Q4_0" else (b[..., 2:4].contiguous().view(torch.float16).float() + 8 * d).abs() / 256
+        bound = (scale_err + m_err + 1e-7).expand(32, 4, 32).reshape(32, 128)
+        assert ((served - ggml).abs() <= bound).all()
+    assert (served - ggml).abs().max() > 0 or qtype == "Q4_0"  # bf16 scales are not free: say so, see docstring
+
+
+@pytest.mark.parametrize("fmt", [*PACKED, "gguf-Q4_1", "gguf-Q8_0"])
+def test_packed_products_are_batch_invariant(fmt):
+    torch.manual_seed(1)
+    w = torch.randn(64, 128) * 0.1
+    lin = gguf_linear(_blocks(w, Q[fmt[5:]]), fmt[5:], (64, 128)) if fmt.startswith("gguf") else \
+        make_linear(w, torch.randn(64), fmt)
+    x = torch.randn(40, 128)
+    full = lin(x)
+    for rows in (1, 2, 3, 5, 8, 17, 33):
+        assert torch.equal(lin(x[:rows]), full[:rows]), rows  # a row's value never depends on its batch
+    ref = x @ lin.dequantized().t() + (0 if lin.bias is None else lin.bias)
+    assert (full - ref).abs().max() < 0.02 * ref.abs().max()  # bf16 activations and outputs
+
+
+def test_shapes_the_int4_kernel_cannot_take_stay_int8():
+    w = torch.randn(24, 64)
+    assert make_linear(w, None, "int4").fmt == "int8"
+    assert make_linear(torch.randn(32, 64), None, "int4").fmt == "int4"
+    with pytest.raises(ValueError, match="N % 16"):
+        gguf_linear(_blocks(w, Q.Q4_1), "Q4_1", (24, 64))
+
+
+def test_flag_choices_match_the_core():
+    from dspark_core.stack import WEIGHT_FORMATS as PARSED  # what --weights offers, importable without torch
+
+    assert PARSED == WEIGHT_FORMATS
+
+
+# -- a GGUF file of the tiny llama, imported the way `dspark models import-gguf` leaves it
+
+def _to_gguf_order(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (HF -> GGUF), the inverse of what transformers undoes at import."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _from_gguf_order(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# layer 0 all Q4_1; layer 1 mixes Q4_0 and Q4_1 inside the fused q/k/v; layer 2's down projection is Q8_0
+_TYPES = {(1, "attn_q"): "Q4_0", (1, "attn_output"): "Q4_0", (1, "ffn_gate"): "Q4_0", (1, "ffn_up"): "Q4_0",
+          (2, "ffn_down"): "Q8_0"}
+_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj"}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    cfg = model.config
+    sd = model.state_dict()
+    writer = gguf.GGUFWriter(str(root / "tiny.gguf"), "llama")
+
+    def put(gname: str, hf: str, qtype: str, heads: int | None = None):
+        w = sd[hf].numpy()
+        if heads:
+            w = _to_gguf_order(w, heads)
+        raw = gguf.quants.quantize(w, Q[qtype])
+        writer.add_tensor(gname, raw, raw_dtype=Q[qtype])
+        deq = gguf.quants.dequantize(raw, Q[qtype])
+        sd[hf] = torch.from_numpy(_from_gguf_order(deq, heads) if heads else deq)
+
+    put("token_embd.weight", "model.embed_tokens.weight", "Q8_0")
+    put("output.weight", "lm_head.weight", "Q8_0")
+    for i in range(cfg.num_hidden_layers):
+        for g, hf in _NAMES.items():
+            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(g)
+            put(f"blk.{i}.{g}.weight", f"model.layers.{i}.{hf}.weight", _TYPES.get((i, g), "Q4_1"), heads)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.load_state_dict(sd)
+    out = root / "model"
+    model.save_pretrained(out)
+    for f in Path(tiny_llama_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    src = root / "tiny.gguf"
+    (out / "gguf_source.json").write_text(json.dumps({"file": src.name, "path": str(src),
+                                                      "bytes": src.stat().st_size}))
+    return out
+
+
+def _target(path, weights, **kw):
+    return TargetRuntime(TargetConfig(str(path), device="cpu", dtype="float32", weights=weights, **kw))
+
+
+def test_imported_gguf_serves_its_own_blocks_by_default(tiny_gguf_dir):
+    auto, dense = _target(tiny_gguf_dir, "auto"), _target(tiny_gguf_dir, "float32")
+    assert auto.weights == "gguf" and dense.weights == "float32"
+    assert auto.weight_bytes < dense.weight_bytes / 4  # 4-bit codes + bf16 scales against float32
+    seq_a, seq_d = auto.new_sequence(), dense.new_sequence()
+    la = auto.forward([(seq_a, PROMPTS[2])]).logits
+    ld = dense.forward([(seq_d, PROMPTS[2])]).logits
+    # the same model: the file's values, up to bf16 block scales and bf16 activations in the kernel
+    assert (la - ld).abs().max() < 0.03 * ld.abs().max()
+
+
+def test_gguf_that_does_not_match_the_directory_is_refused(tiny_gguf_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_gguf_dir, bad)
+    sd = load_file(bad / "model.safetensors")
+    sd["model.layers.1.mlp.up_proj.weight"][0, 0] += 0.5
+    save_file(sd, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="up_proj does not match"):
+        _target(bad, "gguf")
+    assert _target(bad, "auto").weights == "float32"  # auto falls back to the directory's own weights
+
+
+def test_gguf_file_gone(tiny_gguf_dir, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_gguf_dir, moved)
+    rec = json.loads((moved / "gguf_source.json").read_text())
+    rec["path"] = str(tmp_path / "nowhere.gguf")
+    (moved / "gguf_source.json").write_text(json.dumps(rec))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        _target(moved, "gguf")
+    assert _target(moved, "auto").weights == "float32"
+
+
+def test_weights_that_cannot_run_are_refused_by_name(tiny_target_dir):
+    with pytest.raises(InvalidArgument, match="weights"):
+        TargetConfig(str(tiny_target_dir), weights="int3")
+    with pytest.raises(InvalidArgument, match="gguf_source.json"):
+        _target(tiny_target_dir, "gguf")
+    with pytest.raises(InvalidArgument, match="float32 activations"):
+        TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="bfloat16", weights="int4"))
+    assert _target(tiny_target_dir, "auto").weights == "float32"  # not imported from a GGUF file
+
+
+# -- lossless: every format's speculative output is its own autoregressive output
+
+def _greedy_runs(target, drafter_dir):
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+
+    def run(drafter, policy):
+        engine = Engine(target, drafter, EngineConfig(policy=policy))
+        rids = []
+        for p in PROMPTS:  # staggered: the batch mix changes every step
+            rids.append(engine.add_request(p, params))
+            engine.step()
+        engine.run()
+        return [engine.pop(r) for r in rids]
+
+    ar = run(None, "ar")
+    spec = run(OracleDrafter(drafter_dir, block_size=4, corrupt=0.3), "fixed")
+    return ar, spec
+
+
+@pytest.mark.parametrize("weights", [*PACKED, "gguf"])
+def test_speculative_greedy_equals_own_autoregressive(tiny_llama_dir, tiny_gguf_dir, weights):
+    path = tiny_gguf_dir if weights == "gguf" else tiny_llama_dir
+    target = _target(path, weights)
+    assert target.weights == weights
+    ar, spec = _greedy_runs(target, path)
+    assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
+    assert sum(sum(o.accepted_per_round) for o in spec) > 0
+    assert target.num_active == 0
+
+
+@pytest.mark.parametrize("weights,tolerance", [("bfloat16", 0.02), ("int8", 0.03), ("int4", 0.3)])
+def test_logits_close_to_float32(tiny_llama_dir, weights, tolerance):
+    ref, packed = _target(tiny_llama_dir, "float32"), _target(tiny_llama_dir, weights)
+    lr = ref.forward([(ref.new_sequence(), PROMPTS[2])]).logits
+    lp = packed.forward([(packed.new_sequence(), PROMPTS[2])]).logits
+    # relative to the largest logit; a random model is the worst case for 4 bits (Gaussian weights, no
+    # structure), 3 layers deep: SmolLM2 figures in docs/results/weights/README.md
+    assert (lp - lr).abs().max() < tolerance * lr.abs().max()
+    assert packed.weight_bytes < ref.weight_bytes
+
+
+# -- the installed SmolLM2 (optional)
+
+def _smollm2():
+    from dspark_cli.models import target_dirs
+
+    p = target_dirs()["smollm2"]
+    if not (p / "gguf_source.json").is_file():
+        pytest.skip("SmolLM2 is not installed (dspark models install smollm2)")
+    return p
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_verify_rows_equal_its_autoregressive_steps():
+    """A verify pass over perfect drafts commits exactly the autoregressive tokens (what greedy speculative
+    decoding needs), on the real GGUF's own blocks, with the checked file."""
+    target = _target(_smollm2(), "auto")
+    assert target.weights == "gguf"
+    prompt = [1, 504, 3458, 282, 260, 1345, 30, 2986, 314, 253]
+    seq = target.new_sequence()
+    tok = int(target.forward([(seq, prompt)], last_logits_only=True).logits[-1].argmax())
+    ar = [tok]
+    for _ in range(23):
+        ar.append(int(target.forward([(seq, [ar[-1]])]).logits[-1].argmax()))
+    target.release(seq)
+    seq = target.new_sequence()
+    target.forward([(seq, prompt)], last_logits_only=True)
+    for start in range(0, 24 - 7, 7):  # anchor + 7 drafts per pass
+        block = ar[start : start + 8]
+        got = target.forward([(seq, block)]).logits.argmax(-1).tolist()
+        assert got[:-1] == block[1:]
+        target.truncate(seq, seq.length - 1)  # the last draft is the next pass's anchor
