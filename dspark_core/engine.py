@@ -509,10 +509,6 @@ class Engine:
         if self.drafter is not None:
             if self.collapse is None or self.collapse.should_draft(self.drafter.name, self.num_steps):
                 drafts, confs = self._draft(reqs, rec)
-                for r in reqs:  # the drafter holds these now; a round that commits nothing sends none again
-                    if r.pending_features is not None:
-                        r.pending_features = r.pending_features[:0]
-                    r.pending_start, r.pending_tokens = r.anchor_pos, []
             else:
                 self.num_skipped_drafts += len(reqs)
         rec.lengths = [len(d.tokens) for d in drafts]
@@ -538,7 +534,8 @@ class Engine:
         """Feed the verified rounds to the calibration monitor and the collapse detector."""
         name = self.drafter.name
         rounds = [RoundRecord(name, tuple(c[:len(d.tokens)]), res.num_accepted, req.params.temperature == 0)
-                  for req, d, c, res in zip(reqs, drafts, confs, results) if d.tokens]
+                  for req, d, c, res in zip(reqs, drafts, confs, results)
+                  if d.tokens and not isinstance(res, BaseException)]
         self.last_rounds = rounds
         if self.calibration is not None:
             for rec in rounds:
@@ -579,7 +576,10 @@ class Engine:
             proposals = self._propose(items)
         elapsed = time.perf_counter() - start
         for r in reqs:
-            r.pending_features, r.pending_tokens = None, []
+            # the drafter holds these now: none are sent again (a round that then commits nothing sends an empty
+            # block at the anchor; what the next round commits is appended from there)
+            r.pending_features = None if r.pending_features is None else r.pending_features[:0]
+            r.pending_start, r.pending_tokens = r.anchor_pos, []
         rec.proposals = proposals
         gamma = self.block_size
         confs = []
