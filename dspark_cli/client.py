@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -37,6 +38,10 @@ def add_parser(sub) -> None:
     g.add_argument("--request-id", default="", help="client-chosen request id")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default 600)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY"),
+                   help="API key of the scheduler (default DSPARK_API_KEY)")
+    g.add_argument("--tls-ca", default=os.environ.get("DSPARK_TLS_CA"),
+                   help="CA certificate of a scheduler that serves TLS (default DSPARK_TLS_CA; plaintext without)")
     add_sampling_args(g)
     add_processing_args(g)
     g.set_defaults(func=run)
@@ -90,12 +95,26 @@ def build_request(args):
     return req
 
 
+def _channel(address: str, tls_ca: str | None):
+    import grpc
+
+    from services.common.security import tls_channel_options
+    from services.common.server import CHANNEL_OPTIONS
+
+    if not tls_ca:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        ca = open(tls_ca, "rb").read()
+    except OSError as exc:
+        raise InvalidArgument("tls_ca", tls_ca, f"must be a readable CA certificate ({exc.strerror})") from None
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca),
+                               options=[*CHANNEL_OPTIONS, *tls_channel_options()])
+
+
 def run(args) -> int:
     import grpc
 
     from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc
-
-    from services.common.server import CHANNEL_OPTIONS
 
     req = build_request(args)
     t0 = time.perf_counter()
@@ -108,9 +127,10 @@ def run(args) -> int:
         attempt += 1
         seen, stream_text = 0, ""  # an adopted stream replays what this client already has: skip it
         try:
-            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+            with _channel(address, args.tls_ca) as ch:
                 stub = scheduler_service_pb2_grpc.SchedulerServiceStub(ch)
-                for chunk in stub.Generate(req, timeout=args.timeout):
+                md = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+                for chunk in stub.Generate(req, timeout=args.timeout, metadata=md):
                     ids = list(chunk.token_ids)
                     skip = max(0, min(len(ids), len(tokens) - seen))
                     seen += len(ids)

@@ -21,12 +21,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, calibrate, client, generate, models_cmd, profile, report, serve, train
+    from . import bench, calibrate, certs, client, generate, models_cmd, profile, report, serve, train
     from . import eval as eval_cmd
 
     parser = _Parser(prog="dspark", description="DSpark: confidence-scheduled speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
-    for module in (generate, train, calibrate, eval_cmd, report, profile, bench, serve, client, models_cmd):
+    for module in (generate, train, calibrate, eval_cmd, report, profile, bench, serve, client, models_cmd, certs):
         module.add_parser(sub)
     return parser
 

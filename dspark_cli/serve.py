@@ -51,6 +51,7 @@ def _add_all_args(p: argparse.ArgumentParser) -> None:
     from .options import add_drafter_args, add_matmul_dtype_arg, add_target_arg
 
     flags.add_common(p, 50051)
+    flags.add_api_keys(p)
     flags.add_model(p)
     flags.add_weights_arg(p, flags.env("WEIGHTS", "auto"))
     add_engine_args(p)
@@ -84,5 +85,5 @@ def _run_all(args) -> int:
         default_max_new_tokens=args.default_max_new_tokens, profile_budget_s=args.sps_profile_seconds,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
-        record_rounds=args.record_rounds)
+        record_rounds=args.record_rounds, tls_dir=args.tls_dir, api_keys=flags.api_keys(args), **flags.redis_auth())
     return flags.run_app(lambda: SchedulerApp(cfg))

@@ -20,7 +20,6 @@ It knows nothing about text: prompts and outputs are token ids.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
@@ -126,6 +125,10 @@ class RequestState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+    # why a request finished with finish_reason "error" (its own bad input, found when a batch failed)
+    error: BaseException | None = None
+    # the client chose the seed: its draws must not depend on what else runs (see _propose)
+    seeded: bool = False
     t_start: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_end: float | None = None
@@ -219,6 +222,17 @@ class _StepLog:
             self.timings[name] = (t0, time.time_ns())
 
 
+def _own_fault(exc: BaseException) -> bool:
+    """Whether an exception that one request's call raised is about that request's own input (a value that
+    cannot work: it fails alone) rather than about capacity or availability (it may succeed later)."""
+    return isinstance(exc, (ValueError, TypeError, OverflowError)) and not isinstance(exc, ResourceExhausted)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Prefill: a request at fault, or one that no verifier has room for now, is refused alone."""
+    return _own_fault(exc) or isinstance(exc, ResourceExhausted)
+
+
 class Engine:
     """Runs many requests' speculative decoding over one target and at most one drafter."""
 
@@ -286,6 +300,7 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self._unreported: dict[str, list[int]] = {}  # see step()
 
     def _sps_for(self, requests: int):
         """The cost curve of this step: a table's row for `requests` requests when it has rows, plus the
@@ -323,9 +338,11 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidArgument("request_id", rid, "is already in use")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        params = dataclasses.replace(params, seed=seed)
-        req = RequestState(rid, list(prompt_ids), params, make_generator(seed ^ 0x5EED5EED))
+        # an unseeded request stays unseeded (its params carry no seed: the verifier draws fresh numbers and
+        # may batch it freely); a seeded one draws only from streams its seed determines
+        seeded = params.seed is not None
+        seed = params.seed if seeded else int(torch.randint(0, 2**62, (1,)).item())
+        req = RequestState(rid, list(prompt_ids), params, make_generator(seed ^ 0x5EED5EED), seeded=seeded)
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -340,6 +357,7 @@ class Engine:
         """Forget a finished request and return its final state."""
         req = self.requests.pop(request_id)
         assert req.finished, "pop() is for finished requests"
+        self._unreported.pop(request_id, None)
         return req
 
     @property
@@ -385,16 +403,24 @@ class Engine:
 
     # -- one step
     def step(self) -> list[StepEvent]:
-        events: dict[str, list[int]] = {}
+        # tokens a step committed before it raised (a prefill, then a verify that failed) were never reported
+        events, self._unreported = self._unreported, {}
         rec = _StepLog()
-        before = {r.request_id: len(r.output_ids) for r in self.active}
-        self._admit(events, rec)
-        if self.active:
-            self._round(events, rec)
+        # where each request's tokens of this step start (tokens a failed step left unreported come first)
+        before = {r.request_id: len(r.output_ids) - len(events.get(r.request_id, ())) for r in self.active}
+        try:
+            self._admit(events, rec)
+            if self.active:
+                self._round(events, rec)
+        except BaseException:
+            self._unreported = events  # the next step reports them
+            raise
         self.num_steps += 1
         out = []
         for rid, toks in events.items():
-            req = self.requests[rid]
+            req = self.requests.get(rid)
+            if req is None:  # cancelled or popped meanwhile
+                continue
             lps = None
             if req.params.logprobs is not None:
                 start = before.get(rid, 0)
@@ -405,21 +431,63 @@ class Engine:
                                      tuple(rec.lengths), tuple(rec.admitted), rec.timings, tuple(out)))
         return out
 
+    def _fail(self, req: RequestState, exc: BaseException, events: dict[str, list[int]]) -> None:
+        """End one request whose own input made a batched call fail; the rest of the batch goes on."""
+        req.error = exc
+        self._finish(req, "error")
+        events.setdefault(req.request_id, [])
+
+    @staticmethod
+    def _isolate(call, items: list, exc: BaseException, alone=None) -> list:
+        """A batched `call(items)` raised `exc`: run each item alone and return, per item, its result or
+        its exception. Re-raises `exc` when it is a failure of the call itself, not of some items: nothing
+        succeeds alone and no item is at fault (`alone(e)`, default `_own_fault`: a verifier that is gone is
+        nobody's fault)."""
+        alone = alone or _own_fault
+        if len(items) == 1:
+            if alone(exc):
+                return [exc]
+            raise exc
+        out: list = []
+        for it in items:
+            try:
+                out.extend(call([it]))
+            except Exception as e:  # noqa: BLE001 - sorted out by the caller
+                out.append(e)
+        if all(isinstance(o, BaseException) and not alone(o) for o in out):
+            raise exc
+        return out
+
     def _admit(self, events: dict[str, list[int]], rec: "_StepLog") -> None:
         room = self.config.max_active - len(self.active)
         joining, self.waiting = self.waiting[:room], self.waiting[room:]
         if not joining:
             return
-        with rec.stage("prefill"):
-            results = self.verifier.prefill([PrefillItem(r.request_id, tuple(r.prompt_ids), r.params)
-                                             for r in joining])
+        items = [PrefillItem(r.request_id, tuple(r.prompt_ids), r.params) for r in joining]
+        try:
+            with rec.stage("prefill"):
+                try:
+                    results = self.verifier.prefill(items)
+                except Exception as exc:  # noqa: BLE001 - isolate the requests at fault
+                    results = self._isolate(self.verifier.prefill, items, exc, _refused)
+        except BaseException:
+            self.waiting[:0] = joining  # nothing was admitted: they wait for the next step
+            raise
+        back = []
         for req, res in zip(joining, results):
+            if isinstance(res, BaseException):
+                if _refused(res):
+                    self._fail(req, res, events)
+                else:
+                    back.append(req)  # not its fault: it tries again next step
+                continue
             req.on_verifier = True
             self.active.append(req)
             rec.admitted.append(req.request_id)
             if self.drafter is not None:
                 req.draft_state = self.drafter.new_state_for(req.request_id)
             self._commit(req, res, events)
+        self.waiting[:0] = back
 
     def _commit(self, req: RequestState, res: StepResult, events: dict[str, list[int]]) -> None:
         """Record what the verifier committed; the drafter sees those positions' features next round."""
@@ -444,10 +512,17 @@ class Engine:
             else:
                 self.num_skipped_drafts += len(reqs)
         rec.lengths = [len(d.tokens) for d in drafts]
+        items = [VerifyItem(r.request_id, r.anchor, r.anchor_pos, d) for r, d in zip(reqs, drafts)]
         with rec.stage("verify"):
-            results = self.verifier.verify([VerifyItem(r.request_id, r.anchor, r.anchor_pos, d)
-                                            for r, d in zip(reqs, drafts)])
+            try:
+                results = self.verifier.verify(items)
+            except Exception as exc:  # noqa: BLE001 - isolate the requests at fault
+                results = self._isolate(self.verifier.verify, items, exc)
         for req, draft, res in zip(reqs, drafts, results):
+            if isinstance(res, BaseException):
+                if _own_fault(res):
+                    self._fail(req, res, events)
+                continue  # not its fault: nothing committed, it verifies again next step
             req.accepted_per_round.append(res.num_accepted)
             req.proposed_per_round.append(len(draft.tokens))
             self._commit(req, res, events)
@@ -459,7 +534,8 @@ class Engine:
         """Feed the verified rounds to the calibration monitor and the collapse detector."""
         name = self.drafter.name
         rounds = [RoundRecord(name, tuple(c[:len(d.tokens)]), res.num_accepted, req.params.temperature == 0)
-                  for req, d, c, res in zip(reqs, drafts, confs, results) if d.tokens]
+                  for req, d, c, res in zip(reqs, drafts, confs, results)
+                  if d.tokens and not isinstance(res, BaseException)]
         self.last_rounds = rounds
         if self.calibration is not None:
             for rec in rounds:
@@ -494,13 +570,16 @@ class Engine:
             items.append(ProposeItem(
                 state=r.draft_state, new_features=r.pending_features, new_positions_start=r.pending_start,
                 new_tokens=r.pending_tokens, anchor=r.anchor, anchor_pos=r.anchor_pos,
-                temperature=r.params.temperature, generator=r.draft_generator))
+                temperature=r.params.temperature, generator=r.draft_generator if r.seeded else None))
         start = time.perf_counter()
         with rec.stage("draft"):
-            proposals = self.drafter.propose(items)
+            proposals = self._propose(items)
         elapsed = time.perf_counter() - start
         for r in reqs:
-            r.pending_features, r.pending_tokens = None, []
+            # the drafter holds these now: none are sent again (a round that then commits nothing sends an empty
+            # block at the anchor; what the next round commits is appended from there)
+            r.pending_features = None if r.pending_features is None else r.pending_features[:0]
+            r.pending_start, r.pending_tokens = r.anchor_pos, []
         rec.proposals = proposals
         gamma = self.block_size
         confs = []
@@ -548,6 +627,21 @@ class Engine:
                 self.num_explored += 1
                 return scheduling.async_topk_schedule(confs, stale - r)
         return lengths
+
+    def _propose(self, items) -> list:
+        """One batched propose, except that each seeded sampled request drafts in a pass of its own: batched
+        matmuls round differently with the batch's shape (and a drafter may switch kernels with it), and a
+        seeded request's drafts must not depend on what else runs. A drafter that sees to this itself (the
+        drafter service) says so with `batch_invariant_seeds`."""
+        alone = [i for i, it in enumerate(items) if it.generator is not None and it.temperature > 0]
+        if not alone or getattr(self.drafter, "batch_invariant_seeds", False):
+            return self.drafter.propose(items)
+        rest = [i for i in range(len(items)) if i not in set(alone)]
+        out: list = [None] * len(items)
+        for idx in [[i] for i in alone] + ([rest] if rest else []):
+            for i, p in zip(idx, self.drafter.propose([items[i] for i in idx])):
+                out[i] = p
+        return out
 
     # -- convenience
     def run(self) -> None:

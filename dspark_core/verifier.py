@@ -129,7 +129,8 @@ class Verifier:
         owners = [i for i, u in enumerate(unique) if u]
         seqs = {i: self.target.new_sequence() for i in owners}
         try:
-            out = self.target.forward([(seqs[i], list(items[i].prompt_ids)) for i in owners], last_logits_only=True)
+            out = self._forward([(seqs[i], list(items[i].prompt_ids)) for i in owners],
+                                [items[i].params for i in owners], last_logits_only=True)
             for i, it in enumerate(items):
                 if not unique[i]:
                     seqs[i] = self.target.fork(seqs[first_of[tuple(it.prompt_ids)]])
@@ -143,13 +144,28 @@ class Verifier:
             s = _Slot(seqs[i], it.params, make_generator(it.params.seed), list(it.prompt_ids), len(it.prompt_ids))
             self._slots[it.request_id] = s
             r = row[first_of[tuple(it.prompt_ids)]]
+            logits, taps = out[r]
             # the first token is a round with no drafts: exactly plain sampling, with the request's processing
-            first = verify_block(out.logits_of(r)[:1], DraftBlock(tokens=()), s.params, s.generator,
+            first = verify_block(logits[:1], DraftBlock(tokens=()), s.params, s.generator,
                                  s.history(len(s.tokens)))
             s.tokens.extend(first.tokens)
-            results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, out.taps_of(r), 0,
+            results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, taps, 0,
                                       list(it.prompt_ids), _listed(first.logprobs)))
         return results
+
+    def _forward(self, batch: list, params: list[SamplingParams], **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """target.forward over [(sequence, tokens)] -> [(logits, taps)] per entry, except that each seeded
+        sampled request runs in a pass of its own: a batched forward rounds differently with the batch's
+        shape, and a seeded request's logits and features (which its drafts come from) must not depend on
+        what else runs. Unseeded and greedy requests share one pass."""
+        alone = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+        rest = [i for i in range(len(batch)) if i not in set(alone)]
+        out: list = [None] * len(batch)
+        for group in [[i] for i in alone] + ([rest] if rest else []):
+            res = self.target.forward([batch[i] for i in group], **kw)
+            for j, i in enumerate(group):
+                out[i] = (res.logits_of(j), res.taps_of(j))
+        return out
 
     def resume(self, request_id: str, prompt_ids, generated_ids, params: SamplingParams) -> StepResult:
         """Rebuild the KV cache of a request whose committed tokens are known (its anchor is the last one).
@@ -186,7 +202,8 @@ class Verifier:
             self.target.truncate(s.seq, it.anchor_pos)
             slots.append(s)
         t0 = self.clock()
-        out = self.target.forward([(s.seq, [it.anchor, *it.draft.tokens]) for s, it in zip(slots, items)])
+        out = self._forward([(s.seq, [it.anchor, *it.draft.tokens]) for s, it in zip(slots, items)],
+                            [s.params for s in slots])
         if self.on_forward is not None and items:
             device = getattr(self.target, "device", None)
             if getattr(device, "type", None) == "cuda":
@@ -198,12 +215,17 @@ class Verifier:
             # the committed tokens before the anchor, then the anchor (it may be news to a resumed slot)
             del s.tokens[it.anchor_pos:]
             s.tokens.append(it.anchor)
-            outcome = verify_block(out.logits_of(i), it.draft, s.params, s.generator, s.history(len(s.tokens)))
+            if s.params.seed is not None and not s.params.greedy:
+                # the round's draws are a function of (seed, anchor position) alone: a retried or resumed
+                # round, or one batched differently, draws the same numbers
+                s.generator = make_generator(derive_seed(s.params.seed, it.anchor_pos))
+            logits, taps = out[i]
+            outcome = verify_block(logits, it.draft, s.params, s.generator, s.history(len(s.tokens)))
             a = outcome.num_accepted
             self.target.truncate(s.seq, it.anchor_pos + a + 1)
             s.tokens.extend(outcome.tokens)
             results.append(StepResult(it.request_id, list(outcome.tokens), a, outcome.stopped,
-                                      out.taps_of(i)[: a + 1], it.anchor_pos, [it.anchor, *it.draft.tokens[:a]],
+                                      taps[: a + 1], it.anchor_pos, [it.anchor, *it.draft.tokens[:a]],
                                       _listed(outcome.logprobs)))
         return results
 

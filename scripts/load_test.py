@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Load test of the distributed deployment as real processes, with one verifier SIGKILLed mid-run.
+"""Load test of the distributed deployment as real processes, with one verifier (or the drafter) SIGKILLed.
 
     python scripts/load_test.py [--duration 300] [--concurrency 32] [--max-new-tokens 64]
                                 [--kill-at SECONDS] [--restart-after 10] [--out runs/load]
+                                [--verifiers 2] [--kill verifier|drafter] [--tls]
 
-Starts a redis-server on a free port, two `dspark serve verifier`, one `dspark serve drafter` and one
-`dspark serve scheduler` on the bundled model (models/target + models/dspark), then `--concurrency` client
-threads send greedy gRPC Generate requests (held-out prompts of data/dev/*.jsonl, chat template)
-back to back for `--duration` seconds. At `--kill-at` (default: half the duration) the verifier holding more
-requests is SIGKILLed and `--restart-after` seconds later restarted on the same port.
+Starts a redis-server on a free port, `--verifiers` (default two) `dspark serve verifier`, one `dspark serve
+drafter` and one `dspark serve scheduler` on the bundled model (models/target + models/dspark), then
+`--concurrency` client threads send greedy gRPC Generate requests (held-out prompts of data/dev/*.jsonl,
+chat template) back to back for `--duration` seconds. At `--kill-at` (default: half the duration) the
+verifier holding more requests (`--kill drafter`: the drafter) is SIGKILLed and `--restart-after` seconds
+later restarted on the same port. With one verifier the requests wait for it (the scheduler's
+--verifier-grace, 30 s); with the drafter gone they continue without drafts. `--tls`: certificates from
+`dspark certs`, mutual TLS between the services, an API key on the scheduler, and the clients use both.
 
 Recorded: requests completed, failed (a gRPC error or exception), lost (started but never finished: a stream
 that ended without a final chunk, ran into its deadline, or was still open after the drain), per-request
@@ -62,6 +66,16 @@ RSS_GROWTH_BOUND_MIB = 48.0
 RSS_GROWTH_BOUND_FRACTION = 0.10  # ... or 10% of the process's RSS, whichever is larger
 
 
+def client_channel(address: str, tls_dir: Path | None, options: list) -> grpc.Channel:
+    """Plaintext, or TLS presenting the scheduler's certificate (which every service accepts)."""
+    if tls_dir is None:
+        return grpc.insecure_channel(address, options=options)
+    from services.common.security import TlsFiles, tls_channel_options
+
+    creds = TlsFiles.load(str(tls_dir / "scheduler")).channel_credentials()
+    return grpc.secure_channel(address, creds, options=[*options, *tls_channel_options()])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,6 +113,7 @@ class Service:
     log: Path
     proc: subprocess.Popen | None = None
     starts: int = 0
+    tls_dir: Path | None = None  # mutual TLS: health checks present the scheduler's certificate
 
     def spawn(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(REPO))
@@ -114,9 +129,12 @@ class Service:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
+    def channel(self) -> grpc.Channel:
+        return client_channel(f"127.0.0.1:{self.port}", self.tls_dir, [])
+
     def serving(self) -> bool:
         try:
-            with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
+            with self.channel() as ch:
                 r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
                 return r.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
@@ -164,20 +182,32 @@ class Deployment:
         self.redis: subprocess.Popen | None = None
         common = ["--redis-url", self.redis_url, "--host", "127.0.0.1", "--advertise-host", "127.0.0.1",
                   "--log-level", args.log_level]
+        self.tls_dir: Path | None = None
+        self.api_key: str | None = None
+        self.verifier_roles = [f"verifier-{i}" for i in range(1, args.verifiers + 1)]
+        if args.tls:
+            from dspark_cli.certs import make_certs
+
+            self.tls_dir = log_dir / "certs"
+            make_certs(self.tls_dir, force=True)
+            self.api_key = f"load-{os.urandom(12).hex()}"
         model = ["--device", "cpu"]
         self.services: dict[str, Service] = {}
 
         def add(role, kind, extra):
             port, mport = free_port(), free_port()
+            tls = ["--tls-dir", str(self.tls_dir / kind)] if self.tls_dir else []
             self.services[role] = Service(role, [kind, "--port", str(port), "--metrics-port", str(mport),
-                                                 "--id", role, *common, *extra], port, mport,
-                                          log_dir / f"{role}.log")
+                                                 "--id", role, *common, *tls, *extra], port, mport,
+                                          log_dir / f"{role}.log", tls_dir=self.tls_dir)
 
-        for i in (1, 2):
-            add(f"verifier-{i}", "verifier", ["--target", args.target, "--drafter-path", args.drafter_path, *model])
+        for role in self.verifier_roles:
+            add(role, "verifier", ["--target", args.target, "--drafter-path", args.drafter_path, *model])
         add("drafter", "drafter", ["--drafter-path", args.drafter_path, *model])
         add("scheduler", "scheduler", ["--target", args.target, "--max-active", str(args.max_active),
-                                       "--max-waiting", str(max(256, 2 * args.concurrency))])
+                                       "--max-waiting", str(max(256, 2 * args.concurrency)),
+                                       "--verifier-grace", str(args.verifier_grace),
+                                       *(["--api-key", self.api_key] if self.api_key else [])])
 
     def start(self, timeout: float) -> dict:
         exe = shutil.which("redis-server")
@@ -187,9 +217,9 @@ class Deployment:
                                        "--appendonly", "no", "--dir", str(self.log_dir)],
                                       stdout=open(self.log_dir / "redis.log", "w"), stderr=subprocess.STDOUT)
         startup = {}
-        for role in ("verifier-1", "verifier-2", "drafter"):
+        for role in (*self.verifier_roles, "drafter"):
             self.services[role].spawn()
-        for role in ("verifier-1", "verifier-2", "drafter"):
+        for role in (*self.verifier_roles, "drafter"):
             startup[role] = round(self.services[role].wait_serving(timeout), 2)
         self.services["scheduler"].spawn()
         startup["scheduler"] = round(self.services["scheduler"].wait_serving(timeout), 2)
@@ -219,7 +249,7 @@ class Deployment:
 
     def stop(self) -> dict:
         codes = {}
-        for role in ("scheduler", "drafter", "verifier-1", "verifier-2"):
+        for role in ("scheduler", "drafter", *self.verifier_roles):
             codes[role] = self.services[role].stop()
         if self.redis is not None:
             self.redis.terminate()
@@ -247,9 +277,11 @@ class Record:
 
 
 class Load:
-    def __init__(self, address: str, prompts: list[list[int]], args, t0: float):
+    def __init__(self, address: str, prompts: list[list[int]], args, t0: float, tls_dir: Path | None = None,
+                 api_key: str | None = None):
         self.prompts, self.args, self.t0 = prompts, args, t0
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * MiB)])
+        self.channel = client_channel(address, tls_dir, [("grpc.max_receive_message_length", 64 * MiB)])
+        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
         self.stub = scheduler_service_pb2_grpc.SchedulerServiceStub(self.channel)
         self.records: list[Record] = []
         self.token_events: list[tuple[float, int]] = []  # (seconds since t0, tokens in the chunk)
@@ -272,7 +304,7 @@ class Load:
                                         sampling=types_pb2.SamplingParams(temperature=0.0,
                                                                           max_new_tokens=self.args.max_new_tokens))
         try:
-            for chunk in self.stub.Generate(req, timeout=self.args.request_timeout):
+            for chunk in self.stub.Generate(req, timeout=self.args.request_timeout, metadata=self.metadata):
                 now = time.monotonic() - self.t0
                 rec.request_id = rec.request_id or chunk.request_id
                 if chunk.token_ids:
@@ -488,6 +520,12 @@ def parse_args(argv=None):
     p.add_argument("--kill-at", type=float, default=None, help="seconds into the load (default duration / 2)")
     p.add_argument("--restart-after", type=float, default=10.0, help="seconds the verifier stays dead (default 10)")
     p.add_argument("--no-kill", action="store_true", help="no verifier is killed")
+    p.add_argument("--kill", choices=("verifier", "drafter"), default="verifier",
+                   help="which pool loses a pod (default verifier)")
+    p.add_argument("--verifiers", type=int, default=2, help="verifier replicas (default 2)")
+    p.add_argument("--tls", action="store_true", help="mutual TLS between the services and an API key for clients")
+    p.add_argument("--verifier-grace", type=float, default=30.0,
+                   help="scheduler --verifier-grace: how long requests wait for a verifier (default 30)")
     p.add_argument("--out", default="runs/load", help="directory for summary.json and load.png (default runs/load)")
     p.add_argument("--log-dir", default=None, help="service logs (default: a temporary directory)")
     p.add_argument("--target", default=str(REPO / "models" / "target"))
@@ -507,7 +545,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.kill_at is None:
         args.kill_at = args.duration / 2
-    for name in ("duration", "concurrency", "max_new_tokens", "sample_every", "bin"):
+    for name in ("duration", "concurrency", "max_new_tokens", "sample_every", "bin", "verifiers"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0; got {getattr(args, name)}")
     if not args.no_kill and not 0 < args.kill_at < args.duration:
@@ -541,15 +579,15 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     sampler = RssSampler(dep, args.sample_every, t0)
     sampler.start()
-    load = Load(f"127.0.0.1:{dep.services['scheduler'].port}", prompts, args, t0)
+    load = Load(f"127.0.0.1:{dep.services['scheduler'].port}", prompts, args, t0, dep.tls_dir, dep.api_key)
     load.start(args.duration)
     events: dict = {}
     try:
         if not args.no_kill:
             time.sleep(max(0.0, args.kill_at - (time.monotonic() - t0)))
             recs = dep.pod_records()
-            victim = max(("verifier-1", "verifier-2"),
-                         key=lambda r: (recs.get(r, {}).get("active_requests", 0), r == "verifier-1"))
+            victim = "drafter" if args.kill == "drafter" else max(
+                dep.verifier_roles, key=lambda r: (recs.get(r, {}).get("active_requests", 0), r == "verifier-1"))
             events["victim"] = victim
             events["victim_active_requests"] = recs.get(victim, {}).get("active_requests")
             dep.services[victim].proc.send_signal(signal.SIGKILL)
@@ -575,13 +613,14 @@ def main(argv=None) -> int:
         leftovers = {
             "pods_active_requests": {pid: rec.get("active_requests") for pid, rec in sorted(recs.items())},
             "verifier_gauges": {r: dep.services[r].metric("dspark_active_requests", 'service="verifier"')
-                                for r in ("verifier-1", "verifier-2")},
+                                for r in dep.verifier_roles},
             "drafter_gauge": dep.services["drafter"].metric("dspark_active_requests", 'service="drafter"'),
             "scheduler_running": sched.metric("dspark_requests_running"),
             "scheduler_waiting": sched.metric("dspark_requests_waiting"),
             "checkpoints_in_redis": len(dep.checkpoints()),
             "verifier_expired_requests": {r: dep.services[r].metric("dspark_verifier_expired_requests_total")
-                                          for r in ("verifier-1", "verifier-2")},
+                                          for r in dep.verifier_roles},
+            "scheduler_draftless_rounds": sched.metric("dspark_draftless_rounds_total"),
             "scheduler_failovers": {pool: sched.metric("dspark_failovers_total", f'pool="{pool}"')
                                     for pool in ("verifier", "drafter")},
         }
@@ -636,6 +675,7 @@ def main(argv=None) -> int:
             mismatches.append({"request_id": r.request_id, "prompt_index": r.prompt_index, "first_diff": at,
                                "got_len": len(r.tokens), "want_len": len(want),
                                "matches_batch1_reference": r.tokens == solo,
+                               "got_head": r.tokens[:12], "want_head": want[:12],
                                "across_kill": r in across})
     summary["reference_seconds"] = round(time.monotonic() - t_ref, 1)
 

@@ -125,7 +125,7 @@ def features_from_proto(msg: types_pb2.ContextFeatures, field: str, num_layers: 
             hidden is not None and t.shape[2] != hidden and t.shape[0] > 0):
         raise InvalidArgument(f"{field}.hidden_states.shape", list(t.shape),
                               f"must be [num_positions, {num_layers}, {hidden}]")
-    return t.reshape(t.shape[0], -1)
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2])  # explicit: a round that committed nothing has 0 rows
 
 
 def supports_to_proto(support_ids: torch.Tensor, support_probs: torch.Tensor, out) -> None:

@@ -34,6 +34,28 @@ def add_common(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="seconds in-flight calls get on SIGTERM (default 30)")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), metavar="LEVEL",
                    help=f"log level: {', '.join(LOG_LEVELS)} (default INFO)")
+    p.add_argument("--tls-dir", default=env("TLS_DIR"),
+                   help="directory with ca.crt, tls.crt, tls.key: mutual TLS between the services "
+                        "(`dspark certs --out DIR` makes them); default plaintext, with a warning")
+
+
+def add_api_keys(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[],
+                   help="an API key clients must send (authorization: Bearer KEY); repeatable, and "
+                        "DSPARK_API_KEYS adds comma-separated ones; default none (no authentication)")
+
+
+def api_keys(args) -> tuple[str, ...]:
+    from .security import parse_api_keys
+
+    return parse_api_keys(args.api_key, env("API_KEYS"))
+
+
+def redis_auth() -> dict:
+    """Redis AUTH password (REDIS_PASSWORD or DSPARK_REDIS_PASSWORD) and the CA of a rediss:// server
+    (DSPARK_REDIS_CA): environment only, so that no secret shows in a process list."""
+    return {"redis_password": env("REDIS_PASSWORD", os.environ.get("REDIS_PASSWORD")) or None,
+            "redis_ca": env("REDIS_CA") or None}
 
 
 def add_model(p: argparse.ArgumentParser) -> None:

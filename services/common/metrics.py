@@ -66,6 +66,8 @@ DEMAND = Gauge("dspark_verification_demand_tokens",
                ["verifier"])
 DESIRED_REPLICAS = Gauge("dspark_desired_replicas", "Desired replicas per pool, from load", ["pool"])
 FAILOVERS = Counter("dspark_failovers", "Requests moved to another replica after a failure", ["pool"])
+DRAFTLESS_ROUNDS = Counter("dspark_draftless_rounds",
+                           "Request rounds verified without drafts because no drafter could draft for them")
 REDIS_UP = Gauge("dspark_redis_up", "1 when the last Redis operation succeeded")
 
 # -- verifier and drafter

@@ -41,6 +41,10 @@ class RegistryConfig:
     checkpoint_ttl_s: float = 3600.0
     # socket timeout of every Redis call: Redis must never stall a round for long
     timeout_s: float = 0.5
+    # AUTH password (REDIS_PASSWORD), when the URL carries none
+    password: str | None = None
+    # CA bundle that a rediss:// server's certificate must chain to (default: the system's)
+    ssl_ca_certs: str | None = None
 
     def __post_init__(self):
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -77,8 +81,13 @@ class PodRecord:
 class Registry:
     def __init__(self, config: RegistryConfig):
         self.config = config
+        extra = {}
+        if config.password:
+            extra["password"] = config.password  # a password in the URL wins (redis-py reads it from there)
+        if config.ssl_ca_certs and config.url.startswith("rediss://"):
+            extra["ssl_ca_certs"] = config.ssl_ca_certs
         self.redis = redis.Redis.from_url(config.url, socket_timeout=config.timeout_s,
-                                          socket_connect_timeout=config.timeout_s, decode_responses=True)
+                                          socket_connect_timeout=config.timeout_s, decode_responses=True, **extra)
         self.up = True
         self._last_pods: dict[str, list[PodRecord]] = {}
         self._checked = 0.0

@@ -20,11 +20,17 @@ from grpc_reflection.v1alpha import reflection
 from dspark_core.errors import InvalidArgument
 
 from .errors import ErrorInterceptor, Unavailable
+from .security import ApiKeyInterceptor
 from .tracing import TracingInterceptor
 
 log = logging.getLogger("dspark.server")
 
-MAX_MESSAGE_BYTES = 512 * 1024 * 1024  # prefill features are MBs; 2k tokens x 3 x 4096 x bf16 = 48 MiB
+# the largest message between pods: context features (2k tokens x 3 taps x 4096 x bf16 = 48 MiB). Only
+# drafters receive them as servers (and schedulers, from verifiers, as clients).
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+# what a server that never receives features accepts: the scheduler's clients (prompts are bounded by the
+# context window, services.scheduler.servicer.Frontend.max_prompt_bytes) and the verifier's schedulers
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -113,21 +119,30 @@ class _InFlight(grpc.aio.ServerInterceptor):
 class GrpcService:
     """One grpc.aio server with health, reflection, error mapping and drain."""
 
-    def __init__(self, config: ServerConfig, service_names: list[str]):
+    def __init__(self, config: ServerConfig, service_names: list[str], tls=None, require_client_auth: bool = True,
+                 api_keys: tuple[str, ...] = (), max_receive_bytes: int = MAX_MESSAGE_BYTES):
+        """`tls` (services.common.security.TlsFiles): serve TLS, and with `require_client_auth` only to peers
+        whose certificate its CA signed; `api_keys`: every call but health needs one."""
         self.config = config
         self.service_names = list(service_names)
         self.draining = False
         self.in_flight = 0
-        # order: error mapping outermost so that Unavailable from the drain gate is mapped too
+        # order: API keys first (nothing runs for a caller without one), then error mapping, so that
+        # Unavailable from the drain gate is mapped too
         check_port_free("--port", config.host, config.port)
+        auth = [ApiKeyInterceptor(tuple(api_keys))] if api_keys else []
+        options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(), _InFlight(self), TracingInterceptor()], options=SERVER_OPTIONS)
+            interceptors=[*auth, ErrorInterceptor(), _InFlight(self), TracingInterceptor()],
+            options=[*options, ("grpc.max_receive_message_length", max_receive_bytes)])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        address = f"{config.host}:{config.port}"
         try:
-            self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+            self.port = (self.server.add_secure_port(address, tls.server_credentials(require_client_auth)) if tls
+                         else self.server.add_insecure_port(address))
         except RuntimeError:  # grpc's "Failed to bind": lost a race with another socket since the check
             self.port = 0
         if self.port == 0:

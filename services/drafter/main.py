@@ -16,6 +16,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     flags.add_matmul_dtype_arg(p, flags.env("DRAFTER_MATMUL_DTYPE", flags.env("MATMUL_DTYPE", "auto")))
     p.add_argument("--max-active", type=int, default=int(flags.env("MAX_ACTIVE", 1024)),
                    help="requests whose draft context it holds at most (default 1024)")
+    p.add_argument("--max-per-caller", type=int, default=flags.env("MAX_PER_CALLER"),
+                   help="draft contexts one scheduler may hold at most (default --max-active)")
+    p.add_argument("--idle-ttl", type=float, default=float(flags.env("IDLE_TTL", 300)),
+                   help="seconds after which a context nobody proposed for is dropped; 0 = never (default 300)")
 
 
 def run(args) -> int:
@@ -32,7 +36,9 @@ def run(args) -> int:
                            calibration_file=flags.find_generated(path, CALIBRATION_FILE),
                            redis_url=args.redis_url, drafter_id=args.id,
                            advertise_host=args.advertise_host,
-                           advertise_address=args.advertise_address, max_active=args.max_active)
+                           advertise_address=args.advertise_address, max_active=args.max_active,
+                           max_per_caller=int(args.max_per_caller) if args.max_per_caller else None,
+                           idle_ttl_s=args.idle_ttl, tls_dir=args.tls_dir, **flags.redis_auth())
     return flags.run_app(lambda: DrafterApp(cfg))
 
 

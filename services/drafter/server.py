@@ -38,14 +38,26 @@ class DrafterAppConfig:
     advertise_host: str | None = None
     advertise_address: str | None = None  # host:port, wins over advertise_host
     max_active: int = 1024
+    # contexts one caller (scheduler) may hold at most; None = max_active
+    max_per_caller: int | None = None
     heartbeat_s: float = 2.0
+    # mutual TLS: a directory with ca.crt, tls.crt, tls.key (only CA-signed peers get in); None = plaintext
+    tls_dir: str | None = None
+    redis_password: str | None = None
+    redis_ca: str | None = None
     coalesce_wait_s: float = 0.002
+    # a context nobody proposed for this long is dropped (its scheduler is gone); 0 = never
+    idle_ttl_s: float = 300.0
 
     def __post_init__(self):
         if not self.drafter_path:
             raise InvalidArgument("drafter_path", self.drafter_path, "must name a drafter checkpoint directory")
         if self.max_active < 1:
             raise InvalidArgument("max_active", self.max_active, "must be >= 1")
+        if self.max_per_caller is not None and self.max_per_caller < 1:
+            raise InvalidArgument("max_per_caller", self.max_per_caller, "must be >= 1")
+        if not self.idle_ttl_s >= 0:
+            raise InvalidArgument("idle_ttl_s", self.idle_ttl_s, "must be >= 0 (0 = never expire)")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise InvalidArgument("matmul_dtype", self.matmul_dtype, f"must be one of {', '.join(MATMUL_DTYPES)}")
 
@@ -53,7 +65,8 @@ class DrafterAppConfig:
 class DrafterApp(PodLifecycle):
     def __init__(self, config: DrafterAppConfig):
         self._init_pod("drafter", config, SERVICE_NAME, config.drafter_id,
-                       lambda pod_id, ex: DrafterServicer(pod_id, ex, config.max_active, config.coalesce_wait_s),
+                       lambda pod_id, ex: DrafterServicer(pod_id, ex, config.max_active, config.coalesce_wait_s,
+                                                          config.max_per_caller),
                        drafter_service_pb2_grpc.add_DrafterServiceServicer_to_server)
 
     def _load(self):
@@ -83,5 +96,6 @@ class DrafterApp(PodLifecycle):
         drafter = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
         self.servicer.attach(drafter)
         await self.go_live()
+        self.start_expiry(self.config.idle_ttl_s)
         log.info("drafter ready", extra={"id": self.id, "drafter": drafter.name, "port": self.port})
         return self

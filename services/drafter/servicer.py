@@ -11,6 +11,7 @@ or scheduling.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark_core.drafters.base import ProposeItem
-from dspark_core.errors import InvalidArgument
+from dspark_core.errors import InvalidArgument, ResourceExhausted
 from dspark_core.sampling import derive_seed, make_generator
 from dspark_protos.dspark.v1 import drafter_service_pb2_grpc, types_pb2
 
@@ -27,8 +28,11 @@ from ..common.batcher import Coalescer
 from ..common.convert import features_from_proto, kind_to_proto, proposal_to_proto
 from ..common.errors import Unavailable
 from ..common.heartbeat import Ewma
+from ..common.identity import OwnedTable, caller_of, key, split
+from ..common.limits import check_request_id
 
 _S = "drafter"
+log = logging.getLogger("dspark.drafter")
 
 
 @dataclass
@@ -54,10 +58,16 @@ class _Job:
 
 
 class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, drafter_id: str, executor: Executor, max_active: int = 1024, coalesce_wait_s: float = 0.002):
+    # seeded sampled items draft in a pass of their own (dspark_core.engine.Engine._propose)
+    batch_invariant_seeds = True
+
+    def __init__(self, drafter_id: str, executor: Executor, max_active: int = 1024, coalesce_wait_s: float = 0.002,
+                 max_per_caller: int | None = None, evict_idle_s: float = 10.0):
         self.drafter = None
         self.drafter_id, self.executor, self.max_active = drafter_id, executor, max_active
+        # keyed by caller + request id (services.common.identity); `owned` has their last-use times
         self.contexts: dict[str, _Context] = {}
+        self.owned = OwnedTable(max_active, max_per_caller, evict_idle_s)
         self.step_time, self.tokens_per_step = Ewma(), Ewma()
         self._propose = Coalescer(self._propose_batch, executor, max_wait_s=coalesce_wait_s)
 
@@ -68,6 +78,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         self.hidden = self.feature_size // max(self.num_layers, 1)
         param = next(drafter.parameters())
         self.param_dtype, self.param_device = param.dtype, param.device
+        metrics.ACTIVE_STATES.labels(service=_S).set(len(self.contexts))  # present (0) before any request
 
     def close(self) -> None:
         self._propose.close()
@@ -96,7 +107,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
             rows = 0 if j.features is None else j.features.shape[0]
             if ctx is None and j.start != 0:
                 j.error = (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST,
-                           f"request_id {j.request_id!r} has no context on drafter {self.drafter_id}; resend from 0", 0)
+                           f"request_id {split(j.request_id)[1]!r} has no context on drafter {self.drafter_id}; resend from 0", 0)
                 continue
             if ctx is not None and j.start != ctx.state.length:
                 j.error = (types_pb2.ITEM_STATUS_POSITION_MISMATCH,
@@ -113,14 +124,18 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                            f"({rows}); got {len(j.tokens)}", 0)
                 continue
             if j.request_id in seen:
-                j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, f"request_id {j.request_id!r} twice in one batch", 0)
+                j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, f"request_id {split(j.request_id)[1]!r} twice in one batch", 0)
                 continue
             if ctx is None:
-                if len(self.contexts) >= self.max_active:
-                    j.error = (types_pb2.ITEM_STATUS_RESOURCE_EXHAUSTED,
-                               f"drafter {self.drafter_id} holds {len(self.contexts)} requests (max {self.max_active})", 0)
+                try:
+                    for k in self.owned.make_room([j.request_id], f"drafter {self.drafter_id}"):
+                        self.contexts.pop(k, None)  # idle: its scheduler resends the context if it comes back
+                        self.owned.forget(k)
+                except ResourceExhausted as exc:
+                    j.error = (types_pb2.ITEM_STATUS_RESOURCE_EXHAUSTED, str(exc), 0)
                     continue
                 ctx = self.contexts[j.request_id] = _Context(self.drafter.new_state())
+            self.owned.touch([j.request_id])
             seen.add(j.request_id)
             feats = j.features if j.features is not None else torch.zeros(
                 (0, self.feature_size), dtype=self.param_dtype, device=self.param_device)
@@ -134,22 +149,18 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         if items:
             t0 = time.perf_counter()
             with metrics.FORWARD_SECONDS.labels(service=_S, rpc="propose").time():
-                try:
-                    proposals = self.drafter.propose(items)
-                except InvalidArgument:
-                    proposals = []
-                    for it in items:
-                        try:
-                            proposals.extend(self.drafter.propose([it]))
-                        except InvalidArgument as exc:
-                            proposals.append(exc)
+                proposals = self._propose_isolated(items)
             dt = time.perf_counter() - t0
             self.step_time.update(dt)
             self.tokens_per_step.update(len(items) * self.drafter.block_size)
             for j, p in zip(runnable, proposals):
                 if isinstance(p, Exception):
-                    j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(p), 0)
+                    if not isinstance(p, InvalidArgument):
+                        log.error("propose item failed", exc_info=p)
+                    j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT,
+                               str(p) if isinstance(p, InvalidArgument) else "item failed (see the drafter log)", 0)
                     self.contexts.pop(j.request_id, None)
+                    self.owned.forget(j.request_id)
                     continue
                 ctx = self.contexts[j.request_id]
                 ctx.last_anchor, ctx.last_tokens = j.anchor, list(p.tokens)
@@ -157,22 +168,55 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         metrics.ACTIVE_STATES.labels(service=_S).set(len(self.contexts))
         return [out.get(j.index, j.error) for j in jobs]
 
+    def _propose_isolated(self, items: list[ProposeItem]) -> list:
+        """One batched pass, but each seeded sampled item alone (its draws must not depend on the batch's
+        shape), and an item whose input fails the pass fails alone."""
+        alone = [i for i, it in enumerate(items) if it.generator is not None]
+        rest = [i for i in range(len(items)) if i not in set(alone)]
+        out: list = [None] * len(items)
+        for idx in [[i] for i in alone] + ([rest] if rest else []):
+            try:
+                got = self.drafter.propose([items[i] for i in idx])
+            except Exception:  # noqa: BLE001 - one item's input must not fail the others
+                got = []
+                for i in idx:
+                    try:
+                        got.extend(self.drafter.propose([items[i]]))
+                    except Exception as e:  # noqa: BLE001 - that item's status
+                        got.append(e)
+            for i, p in zip(idx, got):
+                out[i] = p
+        return out
+
+    def expire_idle(self, ttl_s: float) -> list[str]:
+        """Model thread: drop the contexts nobody proposed for in `ttl_s` seconds (their scheduler is gone)."""
+        expired = []
+        for k in self.owned.idle(ttl_s):
+            self.contexts.pop(k, None)
+            self.owned.forget(k)
+            expired.append(split(k)[1])
+        if expired:
+            metrics.ACTIVE_STATES.labels(service=_S).set(len(self.contexts))
+        return expired
+
     # -- RPCs
     async def Propose(self, request, context):
         self._ready()
         if not request.items:
             raise InvalidArgument("items", [], "must hold at least one ProposeItem")
         jobs = []
+        caller = caller_of(context)
         for i, it in enumerate(request.items):
             f = f"items[{i}]"
-            job = _Job(i, it.request_id, None, int(it.context_features.start_position), int(it.anchor_token_id),
+            job = _Job(i, key(caller, it.request_id), None, int(it.context_features.start_position), int(it.anchor_token_id),
                        int(it.anchor_position), float(it.temperature), int(it.seed) if it.HasField("seed") else None,
                        int(it.max_draft_tokens) or self.drafter.block_size)
             try:
                 if not it.request_id:
                     raise InvalidArgument(f"{f}.request_id", it.request_id, "must not be empty")
-                if not (it.temperature >= 0):
-                    raise InvalidArgument(f"{f}.temperature", it.temperature, "must be >= 0")
+                check_request_id(it.request_id, f"{f}.request_id")
+                if not (0 <= it.temperature < float("inf")):
+                    raise InvalidArgument(f"{f}.temperature", it.temperature, "must be a finite number >= 0")
                 if it.max_draft_tokens > self.drafter.block_size:
                     raise InvalidArgument(f"{f}.max_draft_tokens", it.max_draft_tokens,
                                           f"must be in [0, {self.drafter.block_size}]")
@@ -190,12 +234,15 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                     job.start = job.anchor_pos
             except InvalidArgument as exc:
                 job.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(exc), 0)
+            except Exception as exc:  # noqa: BLE001 - a malformed item fails alone
+                log.warning("propose item %d refused: %s", i, exc)
+                job.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, f"{f} is malformed", 0)
             jobs.append(job)
         out, queued = await self._propose.submit(jobs)
         resp = types_pb2.ProposeResponse()
         stats = None
         for j, o in zip(jobs, out):
-            p = resp.proposals.add(request_id=j.request_id)
+            p = resp.proposals.add(request_id=request.items[j.index].request_id)
             if o is None or isinstance(o, tuple) and len(o) == 3:
                 status, msg, ctxlen = o if o is not None else (types_pb2.ITEM_STATUS_UNSPECIFIED, "no result", 0)
                 p.status, p.error_message, p.context_length = status, msg, ctxlen
@@ -213,8 +260,12 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
     async def Release(self, request, context):
         self._ready()
 
+        keys = [key(caller_of(context), rid) for rid in request.request_ids]
+
         def release():
-            n = sum(1 for rid in request.request_ids if self.contexts.pop(rid, None) is not None)
+            for k in keys:
+                self.owned.forget(k)
+            n = sum(1 for k in keys if self.contexts.pop(k, None) is not None)
             metrics.ACTIVE_STATES.labels(service=_S).set(len(self.contexts))
             return n
 

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP on the scheduler (aiohttp): /v1/completions, /v1/chat/completions (SSE streaming
-with "stream": true), /v1/models, /health, /metrics. docs/openai_api.md lists every request field.
+with "stream": true), /v1/models, /health (metrics have their own port, --metrics-port). docs/openai_api.md
+lists every request field.
 
 Same Frontend as the gRPC servicer, so validation, the engine path and cancellation are shared: a client
 that disconnects mid-stream cancels its request. This module only parses and formats: the request's
@@ -8,8 +9,8 @@ processing (penalties, min_p, min_tokens), its logprobs and its speculative metr
 derived from the request's. OpenAI `stop` strings end the text before the first occurrence of any of them
 (finish_reason "stop"; the choice is cancelled in the engine at that point, and a stream holds back a tail
 that could still grow into one). Types are strict and unsupported fields are refused, never ignored.
-Errors: bad input 400 (naming the field), overload 429, draining 503, with OpenAI's {"error": {...}} body.
-Knows nothing about Redis or pods.
+Errors: bad input 400 (naming the field), overload 429, draining 503, with OpenAI's {"error": {...}} body;
+with API keys set, 401 without `Authorization: Bearer <key>`. Knows nothing about Redis or pods.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from dspark_core.errors import DSparkError, InvalidArgument, NotFound, ResourceE
 from dspark_core.sampling import MAX_LOGPROBS, SamplingParams
 from dspark_core.verifier import validate_prompt_ids
 
-from ..common import metrics
 from ..common.errors import Unavailable
-from .servicer import MAX_CHOICES, Choices, Frontend, encode_text
+from ..common.limits import check_sampling
+from ..common.security import key_ok
+from .servicer import MAX_CHOICES, Choices, Frontend
 
 log = logging.getLogger("dspark.http")
 
@@ -146,38 +148,32 @@ def _params(body: dict, f: Frontend, chat: bool, logprobs: int | None) -> Sampli
     if not _boolean(body, "ignore_eos"):
         stop += [t for t in f.card.eos_token_ids if t not in stop]
     try:
-        return SamplingParams(
+        return check_sampling(SamplingParams(
             temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
             top_k=0 if top_k == -1 else top_k, seed=_integer(body, "seed", None), max_new_tokens=max_tokens,
             stop_token_ids=tuple(stop), min_p=_number(body, "min_p", 0.0),
             presence_penalty=_number(body, "presence_penalty", 0.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
             repetition_penalty=_number(body, "repetition_penalty", 1.0),
-            min_tokens=_integer(body, "min_tokens", 0), logprobs=logprobs)
+            min_tokens=_integer(body, "min_tokens", 0), logprobs=logprobs))  # and what the wire can carry
     except InvalidArgument as exc:
         name = {"max_new_tokens": max_name}.get(exc.field, exc.field)
         raise InvalidArgument(name, exc.value, exc.requirement) from None
 
 
-def _prompt_ids(body: dict, f: Frontend, chat: bool) -> list[int]:
+async def _prompt_ids(body: dict, f: Frontend, chat: bool) -> list[int]:
+    """Tokenized off the event loop, within the byte and token limits of the context window (Frontend.encode)."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise InvalidArgument("messages", msgs, "must be a non-empty list of {role, content} objects")
-        tok = f.tokenizer
-        if tok is None:
-            raise InvalidArgument("messages", "...", "need a tokenizer; this model has none")
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        else:
-            text = "\n".join(str(m.get("content", "")) for m in msgs) + "\n"
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = await f.encode("", "messages", messages=msgs)
     else:
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             p = p[0]
         if isinstance(p, str):
-            ids = encode_text(f.tokenizer, p, "prompt")
+            ids = await f.encode(p, "prompt")
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             ids = list(p)
         else:
@@ -356,7 +352,7 @@ async def _complete(f, rid, created, chat, ids, opts, echo, choices, runs) -> we
             c, upd = await _next(runs, choices)
             if not c.done:
                 c.take(upd)
-    except (DSparkError, Unavailable) as exc:
+    except Exception as exc:  # noqa: BLE001 - mapped to a status (a generic 500 for a bug)
         return _map_error(exc)
     out = []
     for c in choices:
@@ -389,7 +385,7 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs
             c, upd = await _next(runs, choices)
             started.add(c.index)
             early.append((c, upd))
-    except (DSparkError, Unavailable) as exc:
+    except Exception as exc:  # noqa: BLE001
         return _map_error(exc)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -426,8 +422,8 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs
         while not all(c.done for c in choices):
             try:
                 c, upd = await _next(runs, choices)
-            except (DSparkError, Unavailable) as exc:  # headers are out: end the stream with an error event
-                await write({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+            except Exception as exc:  # noqa: BLE001 - headers are out: end the stream with an error event
+                await write(json.loads(_map_error(exc).body))
                 break
             if not c.done:
                 await send(c, upd)
@@ -441,7 +437,7 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs
     return resp
 
 
-def make_app(f: Frontend, is_serving, redis_up=None) -> web.Application:
+def make_app(f: Frontend, is_serving, redis_up=None, api_keys: tuple[str, ...] = ()) -> web.Application:
     """`redis_up()` (blocking; None: no Redis configured) says whether Redis answers: /health then reports
     `"redis": "up" | "unreachable"`, and `"status": "degraded"` (still 200: requests are served, coordination
     is off) while it does not."""
@@ -454,9 +450,6 @@ def make_app(f: Frontend, is_serving, redis_up=None) -> web.Application:
             if ok and not up:
                 body["status"] = "degraded"
         return web.json_response(body, status=200 if ok else 503)
-
-    async def prom(request):
-        return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def models(request):
         return web.json_response({"object": "list", "data": [
@@ -475,7 +468,7 @@ def make_app(f: Frontend, is_serving, redis_up=None) -> web.Application:
             if not isinstance(model, str):
                 raise InvalidArgument("model", model, "must be a string")
             f.check_names(model if model != "default" else "", "", "")
-            ids = _prompt_ids(body, f, chat)
+            ids = await _prompt_ids(body, f, chat)
             opts = _options(body, f, chat)
             params = _params(body, f, chat, opts.logprobs)
         except DSparkError as exc:
@@ -498,16 +491,29 @@ def make_app(f: Frontend, is_serving, redis_up=None) -> web.Application:
     async def chat_completions(request):
         return await generate(request, chat=True)
 
-    app = web.Application()
-    app.add_routes([web.get("/health", health), web.get("/metrics", prom), web.get("/v1/models", models),
+    @web.middleware
+    async def authenticate(request, handler):
+        # /health stays open for probes; everything else needs `Authorization: Bearer <key>` when keys are set
+        if api_keys and request.path != "/health" and not key_ok(request.headers.get("Authorization"), api_keys):
+            return web.json_response({"error": {"message": "missing or invalid API key: send the header "
+                                                           "Authorization: Bearer <key>",
+                                                "type": "authentication_error", "param": None,
+                                                "code": "invalid_api_key"}}, status=401)
+        return await handler(request)
+
+    # Prometheus metrics are served on their own port (--metrics-port), never next to the public API
+    app = web.Application(middlewares=[authenticate],
+                          client_max_size=max(1 << 20, 2 * f.max_prompt_bytes + (64 << 10)))
+    app.add_routes([web.get("/health", health), web.get("/v1/models", models),
                     web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat_completions)])
     return app
 
 
-async def start_http(f: Frontend, host: str, port: int, is_serving, redis_up=None):
-    runner = web.AppRunner(make_app(f, is_serving, redis_up), access_log=None)
+async def start_http(f: Frontend, host: str, port: int, is_serving, redis_up=None, api_keys: tuple[str, ...] = (),
+                     ssl_context=None):
+    runner = web.AppRunner(make_app(f, is_serving, redis_up, api_keys), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as exc:

@@ -26,6 +26,7 @@ from dspark_core.sampling import SamplingParams
 from opentelemetry import trace
 
 from ..common import metrics
+from ..common.errors import Unavailable
 from ..common.registry import Registry
 from ..common.tracing import tracer
 
@@ -99,7 +100,7 @@ class EngineLoop:
     def __init__(self, make_engine: Callable[[Callable[[StepRecord], None]], Engine], registry: Registry | None = None,
                  scheduler_id: str = "scheduler", checkpoint: Callable[[str], dict | None] | None = None,
                  pods_capacity: Callable[[], dict] | None = None, autoscaler=None, record_rounds: str | None = None,
-                 target_user_tps: float | None = None):
+                 target_user_tps: float | None = None, verifier_grace_s: float = 30.0):
         """`make_engine(observer)` builds the engine this loop drives, with `observer` as its step observer."""
         self.registry, self.scheduler_id = registry, scheduler_id
         self.record_rounds = record_rounds  # JSON-lines file every verified round is appended to
@@ -114,7 +115,11 @@ class EngineLoop:
         self.autoscaler = autoscaler  # optional: services.scheduler.autoscaler.Autoscaler
         self._scaling: threading.Thread | None = None
         self._failures = 0  # consecutive failed steps
+        self._failing_since: float | None = None  # monotonic time of the first of them
         self.max_step_failures = 3
+        # seconds a step that fails for want of a verifier (Unavailable) is retried before its requests
+        # fail: a lone verifier that restarts within this gets them back, resumed from their checkpoints
+        self.verifier_grace_s = verifier_grace_s
         self._commands: queue.Queue = queue.Queue()
         self._tracked: dict[str, _Tracked] = {}
         self._stop = threading.Event()
@@ -162,8 +167,10 @@ class EngineLoop:
         self._commands.put(("group", [(*e, fut) for e, fut in zip(entries, futures)]))
         return futures
 
-    def cancel(self, request_id: str) -> None:
-        self._commands.put(("cancel", request_id))
+    def cancel(self, request_id: str, sink: Callable[[Update], None] | None = None) -> None:
+        """Cancel a request; with `sink`, only if it is still the request submitted with that sink (a
+        later request that reuses the id, or one that a duplicate submit was refused for, is not touched)."""
+        self._commands.put(("cancel", request_id, sink))
 
     # -- engine thread
     def _run(self) -> None:
@@ -199,17 +206,31 @@ class EngineLoop:
             self._tracked[rid] = _Tracked(sink, span_context, adopted=adopted)
             fut.set_result(rid)
         elif cmd[0] == "cancel":
-            rid = cmd[1]
-            if rid in self._tracked and rid in self.engine.requests:
-                self.engine.cancel(rid)
-                self.engine.pop(rid)
-                self._tracked.pop(rid, None)
-                self.demand_mass.pop(rid, None)
-                self.demand_rows.pop(rid, None)
-                if self._writer:
-                    self._writer.put(rid, None)
+            _, rid, sink = cmd
+            t = self._tracked.get(rid)
+            if t is not None and rid in self.engine.requests and (sink is None or t.sink is sink):
+                self._forget(rid)
                 metrics.REQUESTS.labels(finish_reason="cancelled").inc()
                 log.info("request cancelled", extra={"request_id": rid})
+
+    def _forget(self, rid: str) -> _Tracked | None:
+        """Take a request out of the engine (releasing it on its pods) and out of Redis."""
+        req = self.engine.requests.get(rid)
+        if req is not None:
+            if not req.finished:
+                self.engine.cancel(rid)
+            self.engine.pop(rid)
+        self.demand_mass.pop(rid, None)
+        self.demand_rows.pop(rid, None)
+        if self._writer:
+            self._writer.put(rid, None)
+        return self._tracked.pop(rid, None)
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        t = self._forget(rid)
+        metrics.REQUESTS.labels(finish_reason="error").inc()
+        if t is not None:
+            t.sink(Update(rid, [], finished=True, finish_reason="error", error=exc))
 
     def _step(self) -> None:
         self._times = {}
@@ -219,27 +240,24 @@ class EngineLoop:
         try:
             with tracer.start_as_current_span("engine.step", links=links):
                 events = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail what cannot be retried, keep serving
+        except Exception as exc:  # noqa: BLE001 - a failure of the step itself (requests at fault fail alone)
+            # nothing was committed and every request is still queued or active (dspark_core.engine): retry,
+            # for the verifier grace period when no verifier is reachable, else a few times; then fail them
+            now = time.monotonic()
+            self._failing_since = self._failing_since if self._failures else now
             self._failures += 1
-            if not isinstance(exc, DSparkError):
-                log.exception("engine step failed", extra={"consecutive": self._failures})
-            else:
-                log.warning("engine step failed: %s", exc, extra={"consecutive": self._failures})
+            waiting = isinstance(exc, Unavailable) and now - self._failing_since < self.verifier_grace_s
+            if self._failures == 1 or not isinstance(exc, (DSparkError, Unavailable)):
+                (log.warning if isinstance(exc, (DSparkError, Unavailable)) else log.exception)(
+                    "engine step failed: %s", exc, extra={"consecutive": self._failures})
+            if waiting or self._failures < self.max_step_failures:
+                time.sleep(min(0.05 * self._failures, 0.5))  # back off before retrying
+                return
+            log.error("engine step keeps failing; failing its requests: %s", exc,
+                      extra={"requests": len(self._tracked), "consecutive": self._failures})
             for rid in list(self._tracked):
-                req = self.engine.requests.get(rid)
-                queued = req is not None and (req in self.engine.active or req in self.engine.waiting)
-                # a failed round commits nothing and Verify is idempotent, so active requests are retried
-                # next step (a few times); requests whose prefill failed have left the engine's queues
-                if queued and self._failures < self.max_step_failures:
-                    continue
-                if req is not None:
-                    self.engine.cancel(rid)
-                    self.engine.pop(rid)
-                t = self._tracked.pop(rid)
-                t.sink(Update(rid, [], finished=True, finish_reason="error", error=exc))
-            if self._failures >= self.max_step_failures:
-                self._failures = 0
-            time.sleep(0.05 * self._failures)  # back off before retrying the survivors
+                self._fail(rid, exc)
+            self._failures = 0
             return
         self._failures = 0
         self.steps += 1
@@ -250,6 +268,9 @@ class EngineLoop:
             if t is None:
                 continue
             req = self.engine.requests[ev.request_id]
+            if ev.finish_reason == "error":  # its own input failed its batch; the others went on
+                self._fail(ev.request_id, req.error or RuntimeError("request failed"))
+                continue
             upd = Update(ev.request_id, list(ev.new_token_ids),
                          logprobs=None if ev.logprobs is None else list(ev.logprobs))
             self._trace_round(t, req, t_step, len(ev.new_token_ids))

@@ -36,10 +36,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="append every verified round here (JSON lines) for `dspark calibrate --online`")
 
 
+def _default_tokenizer() -> str | None:
+    """The bundled target's tokenizer (used only if the verifiers serve that model)."""
+    from pathlib import Path
+
+    from dspark_core.stack import default_target
+
+    from ..common import flags
+
+    d = default_target(flags.env("MODELS_DIR"))
+    return d if (Path(d) / "tokenizer.json").exists() or (Path(d) / "tokenizer_config.json").exists() else None
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     from ..common import flags
 
     flags.add_common(p, 50051)
+    flags.add_api_keys(p)
     add_engine_args(p)
     p.add_argument("--verifier-addresses", default=flags.env("VERIFIER_ADDRESSES"),
                    help="comma-separated host:port of verifiers (in addition to those found in Redis)")
@@ -54,6 +67,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=flags.env("TOKENIZER"), help="tokenizer directory (default --target)")
     p.add_argument("--startup-wait", type=float, default=120.0,
                    help="seconds to wait at start for a verifier (and a drafter, when one is expected) (default 120)")
+    p.add_argument("--verifier-grace", type=float, default=float(flags.env("VERIFIER_GRACE", 30)),
+                   help="seconds requests wait for a verifier when none is reachable, then fail (default 30)")
     p.add_argument("--autoscale", action="store_true",
                    help="scale the pool Deployments itself (settings in DSPARK_AUTOSCALE_POOLS, namespace POD_NAMESPACE)")
     p.add_argument("--target-user-tps", type=float, default=flags.env("TARGET_USER_TPS"), metavar="N",
@@ -81,14 +96,17 @@ def run(args) -> int:
         server=ServerConfig(args.port, args.host, args.drain_seconds),
         verifier_addresses=_addresses(args.verifier_addresses), drafter_addresses=_addresses(args.drafter_addresses),
         redis_url=args.redis_url, use_drafter=False if args.drafter == "none" else None,
-        tokenizer_dir=args.tokenizer or args.target, policy=args.policy, block_size=args.block_size,
+        tokenizer_dir=args.tokenizer or args.target or _default_tokenizer(),
+        tokenizer_checked=not (args.tokenizer or args.target), policy=args.policy, block_size=args.block_size,
         max_active=args.max_active, max_waiting=args.max_waiting, default_max_new_tokens=args.default_max_new_tokens,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
         startup_wait_s=args.startup_wait, autoscale_pools=pools, served_model_name=args.served_model_name,
         namespace=os.environ.get("POD_NAMESPACE", "default"),
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
         record_rounds=args.record_rounds,
-        target_user_tps=float(args.target_user_tps) if args.target_user_tps is not None else None)
+        target_user_tps=float(args.target_user_tps) if args.target_user_tps is not None else None,
+        verifier_grace_s=args.verifier_grace, tls_dir=args.tls_dir, api_keys=flags.api_keys(args),
+        **flags.redis_auth())
     return flags.run_app(lambda: SchedulerApp(cfg))
 
 

@@ -17,6 +17,7 @@ import grpc
 
 from ..common.errors import Unavailable
 from ..common.registry import PodRecord, Registry
+from ..common.security import secure_channel
 from ..common.server import CHANNEL_OPTIONS
 
 log = logging.getLogger("dspark.pods")
@@ -62,10 +63,14 @@ class PodPool:
     # a pod whose record is missing this long is forgotten (not at once: an empty, just-restarted Redis
     # has no records until the heartbeats re-publish them)
     forget_s: float = 15.0
+    # mutual TLS (services.common.security.TlsFiles): a pod whose certificate the CA did not sign fails the
+    # handshake, so a record in Redis is never enough to receive traffic
+    tls: object = None
     pods: dict[str, Pod] = field(default_factory=dict)
 
     def __post_init__(self):
         self._lock = threading.Lock()
+        self._refreshed = 0.0  # monotonic time of the last refresh from Redis
         for a in self.static_addresses:
             self._add(a, a, None, static=True)
         self._stop = threading.Event()
@@ -76,7 +81,7 @@ class PodPool:
             self._thread.start()
 
     def _add(self, address: str, pod_id: str, rec: PodRecord | None, static: bool = False) -> Pod:
-        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        ch = secure_channel(address, self.tls, CHANNEL_OPTIONS)
         pod = Pod(address, pod_id, self.stub_cls(ch), ch, rec, static=static)
         self.pods[address] = pod
         log.info("pod added", extra={"pool": self.pool, "address": address, "pod_id": pod_id})
@@ -84,6 +89,7 @@ class PodPool:
 
     def refresh(self) -> None:
         assert self.registry is not None
+        self._refreshed = time.monotonic()
         recs = self.registry.pods(self.pool)
         with self._lock:
             seen = set()
@@ -121,7 +127,7 @@ class PodPool:
                 live = [p for p in self.pods.values() if p.alive and p.address not in exclude]
                 if live:
                     return min(live, key=lambda p: (p.load(), p.address))
-            if attempt == 0 and self.registry is not None:
+            if attempt == 0 and self.registry is not None and time.monotonic() - self._refreshed > 0.5:
                 self.refresh()  # a pod may have appeared since the last refresh
         raise Unavailable(f"no live {self.pool} pod (known: {sorted(self.pods)})")
 

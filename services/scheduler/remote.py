@@ -15,6 +15,7 @@ Called only from the engine thread (blocking gRPC). Knows nothing about text or 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from ..common.convert import (TargetInfo, features_from_proto, kind_from_proto, 
                               proposal_from_proto, target_info_from_proto, verify_item_to_proto,
                               verify_result_from_proto)
 from ..common.errors import Unavailable
+from ..common.identity import CALLER_METADATA
 from ..common.registry import Registry
 from ..common.tracing import outgoing_metadata, tracer
 from .pods import Pod, PodPool, is_pod_failure
@@ -44,9 +46,9 @@ MAX_ATTEMPTS = 3
 _in_flight: set = set()  # fire-and-forget calls must stay referenced: a dropped grpc future cancels its call
 
 
-def _fire(callable_, msg, timeout: float) -> None:
+def _fire(callable_, msg, timeout: float, metadata=None) -> None:
     try:
-        fut = callable_.future(msg, timeout=timeout)
+        fut = callable_.future(msg, timeout=timeout, metadata=metadata)
     except Exception:  # noqa: BLE001 - best effort (closed channel)
         return
     _in_flight.add(fut)
@@ -70,9 +72,16 @@ class _Request:
     pod: Pod | None = None
 
 
+def _caller_md(caller: str):
+    """The metadata of every call to a pod: the trace context and who calls (whose requests these are)."""
+    return [*outgoing_metadata(), (CALLER_METADATA, caller)]
+
+
 class RemoteVerifier:
-    def __init__(self, pool: PodPool, checkpoints: Registry | None = None, timeout_s: float = 60.0):
+    def __init__(self, pool: PodPool, checkpoints: Registry | None = None, timeout_s: float = 60.0,
+                 caller: str = "scheduler"):
         self.pool, self.checkpoints, self.timeout_s = pool, checkpoints, timeout_s
+        self.caller = caller  # this scheduler's id: verifiers key its requests by it
         self.requests: dict[str, _Request] = {}
         self.num_layers = 0
         self.target: TargetInfo | None = None  # from the first GetInfo
@@ -119,36 +128,45 @@ class RemoteVerifier:
     def prefill(self, items: list[PrefillItem]) -> list[StepResult]:
         with tracer.start_as_current_span("verifier.prefill") as span:
             span.set_attribute("dspark.requests", len(items))
-            md = outgoing_metadata()
+            md = _caller_md(self.caller)
             calls = []
-            for it in items:
-                req = _Request(list(it.prompt_ids), it.params)
-                self.requests[it.request_id] = req
-                calls.append((it, req, self._start_prefill(it, req, md, set())))
-            out = []
-            for it, req, (pod, fut, tried) in calls:
-                while True:
-                    try:
-                        resp = fut.result()
-                        break
-                    except grpc.RpcError as exc:
-                        if is_pod_failure(exc) or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                            if is_pod_failure(exc):
-                                self.pool.mark_dead(pod, exc)
-                            tried.add(pod.address)
-                            try:
-                                if len(tried) >= MAX_ATTEMPTS:
-                                    raise Unavailable("tried enough verifiers")
-                                pod, fut, tried = self._start_prefill(it, req, md, tried)
-                            except Unavailable:  # no other verifier: report what the last one said
-                                self.release(it.request_id)
-                                _raise_status(exc, "prefill")
-                            continue
-                        self.release(it.request_id)
-                        _raise_status(exc, "prefill")
-                req.generated = [resp.anchor_token_id]
-                out.append(prefill_result_from_proto(resp, it))
-            return out
+            try:
+                for it in items:
+                    req = _Request(list(it.prompt_ids), it.params)
+                    self.release(it.request_id)  # a retried prefill starts over
+                    self.requests[it.request_id] = req
+                    calls.append((it, req, self._start_prefill(it, req, md, set())))
+                return self._finish_prefill(calls, md)
+            except BaseException:
+                for it in items:  # the batch failed: nothing of it stays registered here
+                    self.release(it.request_id)
+                raise
+
+    def _finish_prefill(self, calls, md) -> list[StepResult]:
+        out = []
+        for it, req, (pod, fut, tried) in calls:
+            while True:
+                try:
+                    resp = fut.result()
+                    break
+                except grpc.RpcError as exc:
+                    if is_pod_failure(exc) or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        if is_pod_failure(exc):
+                            self.pool.mark_dead(pod, exc)
+                        tried.add(pod.address)
+                        try:
+                            if len(tried) >= MAX_ATTEMPTS:
+                                raise Unavailable("tried enough verifiers")
+                            pod, fut, tried = self._start_prefill(it, req, md, tried)
+                        except Unavailable:  # no other verifier: report what the last one said
+                            self.release(it.request_id)
+                            _raise_status(exc, "prefill")
+                        continue
+                    self.release(it.request_id)
+                    _raise_status(exc, "prefill")
+            req.generated = [resp.anchor_token_id]
+            out.append(prefill_result_from_proto(resp, it))
+        return out
 
     def _start_prefill(self, it: PrefillItem, req: _Request, md, tried: set):
         pod = self.pool.pick(exclude=tried)
@@ -177,7 +195,7 @@ class RemoteVerifier:
                                           generated_token_ids=gen, include_context_features=include_features)
             params_to_proto(req.params, msg.sampling, complete_stop_set=True)
             try:
-                resp = pod.stub.Resume(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
+                resp = pod.stub.Resume(msg, timeout=self.timeout_s, metadata=_caller_md(self.caller))
             except grpc.RpcError as exc:
                 last = exc
                 if is_pod_failure(exc):
@@ -215,10 +233,12 @@ class RemoteVerifier:
                 todo = self._verify_round(items, todo, results, last=attempt == MAX_ATTEMPTS)
             if todo:
                 raise Unavailable(f"verification failed for {[items[i].request_id for i in todo]}")
+            for it, r in zip(items, results):  # committed only once the whole call succeeded
+                self.requests[it.request_id].generated.extend(r.tokens)
             return results  # type: ignore[return-value]
 
     def _verify_round(self, items, todo, results, last: bool) -> list[int]:
-        md = outgoing_metadata()
+        md = _caller_md(self.caller)
         by_pod: dict[str, list[int]] = {}
         retry: list[int] = []
         for i in todo:
@@ -253,7 +273,6 @@ class RemoteVerifier:
                 it = items[i]
                 req = self.requests[it.request_id]
                 if r.status == types_pb2.ITEM_STATUS_OK:
-                    req.generated.extend(r.committed_token_ids)
                     results[i] = verify_result_from_proto(r, it)
                 elif r.status in (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST, types_pb2.ITEM_STATUS_POSITION_MISMATCH):
                     if last:
@@ -274,7 +293,8 @@ class RemoteVerifier:
         self._assign(req, None)
         if pod is not None and pod.alive:
             # fire and forget: an unreachable verifier frees the KV cache on restart anyway
-            _fire(pod.stub.Release, types_pb2.VerifierServiceReleaseRequest(request_ids=[request_id]), self.timeout_s)
+            _fire(pod.stub.Release, types_pb2.VerifierServiceReleaseRequest(request_ids=[request_id]), self.timeout_s,
+                  _caller_md(self.caller))
         return True
 
     def checkpoint(self, request_id: str) -> dict | None:
@@ -296,9 +316,15 @@ class DraftHandle:
 
 
 class RemoteDrafter:
+    # the drafter service drafts seeded sampled items in passes of their own (dspark_core.engine.Engine._propose)
+    batch_invariant_seeds = True
+
     def __init__(self, pool: PodPool, verifier: RemoteVerifier, info, hidden_size: int, vocab_size: int,
                  timeout_s: float = 60.0):
         self.pool, self.verifier, self.timeout_s = pool, verifier, timeout_s
+        self.caller = verifier.caller
+        self._retry_at = 0.0  # no drafter was found: do not look again before this (monotonic)
+        self._orphaned = 0  # rounds drafted by nobody since drafting last worked for everyone
         self.name = info.drafter_name
         self.kind = kind_from_proto(info.kind)
         self.block_size = int(info.block_size)
@@ -335,16 +361,40 @@ class RemoteDrafter:
             return
         pod.assigned -= 1
         if pod.alive:
-            _fire(pod.stub.Release, types_pb2.DrafterServiceReleaseRequest(request_ids=[h.request_id]), self.timeout_s)
+            _fire(pod.stub.Release, types_pb2.DrafterServiceReleaseRequest(request_ids=[h.request_id]), self.timeout_s,
+                  _caller_md(self.caller))
 
     def _place(self, h: DraftHandle, exclude: set[str] = frozenset()) -> None:
         if h.pod is not None:
             h.pod.assigned -= 1
             metrics.FAILOVERS.labels(pool="drafter").inc()
-        h.pod = self.pool.pick(exclude=exclude)
+        h.pod = None
+        if time.monotonic() < self._retry_at:
+            raise Unavailable("no drafter (looked less than a second ago)")
+        try:
+            h.pod = self.pool.pick(exclude=exclude)
+        except Unavailable:
+            self._retry_at = time.monotonic() + 1.0  # look again in a second, not every round
+            raise
         h.pod.assigned += 1
-        h.resend = h.length > 0
+        h.resend = h.resend or h.length > 0
         h.length = 0
+
+    def _orphan(self, h: DraftHandle, why: BaseException) -> Proposal:
+        """No drafter can draft for this request now: this round verifies the anchor alone (autoregressive,
+        so the output is unchanged), and the next drafter that takes it gets the whole context."""
+        if h.pod is not None:
+            h.pod.assigned -= 1
+            if h.pod.alive:  # it may still hold the context: it would never hear of this request again
+                _fire(h.pod.stub.Release, types_pb2.DrafterServiceReleaseRequest(request_ids=[h.request_id]),
+                      self.timeout_s, _caller_md(self.caller))
+            h.pod = None
+        h.resend, h.length = True, 0
+        if not self._orphaned:
+            log.warning("no drafter: decoding autoregressively until one is back: %s", why)
+        self._orphaned += 1
+        metrics.DRAFTLESS_ROUNDS.inc()
+        return Proposal(tokens=[])
 
     def _item(self, it, seed: int | None) -> types_pb2.ProposeItem:
         h: DraftHandle = it.state
@@ -358,28 +408,41 @@ class RemoteDrafter:
         with tracer.start_as_current_span("drafter.propose") as span:
             span.set_attribute("dspark.requests", len(items))
             seeds = []
-            for it in items:
+            out: list[Proposal | None] = [None] * len(items)
+            todo = []
+            for i, it in enumerate(items):
                 h: DraftHandle = it.state
-                if h.pod is None:
-                    self._place(h)
-                elif not h.pod.alive:
-                    self._place(h, exclude={h.pod.address})
                 seed = None
                 if it.temperature > 0 and it.generator is not None:
                     seed = int(torch.randint(0, 2**62, (1,), generator=it.generator))
                 seeds.append(seed)
-            out: list[Proposal | None] = [None] * len(items)
-            todo = list(range(len(items)))
+                try:
+                    if h.pod is None:
+                        self._place(h)
+                    elif not h.pod.alive:
+                        self._place(h, exclude={h.pod.address})
+                except Unavailable as exc:
+                    out[i] = self._orphan(h, exc)
+                    continue
+                todo.append(i)
             for attempt in range(MAX_ATTEMPTS + 1):
                 if not todo:
                     break
-                todo = self._propose_round(items, seeds, todo, out, last=attempt == MAX_ATTEMPTS)
-            if todo:
-                raise Unavailable(f"drafting failed for {[items[i].state.request_id for i in todo]}")
+                try:
+                    todo = self._propose_round(items, seeds, todo, out, last=attempt == MAX_ATTEMPTS)
+                except (Unavailable, InvalidArgument, ResourceExhausted) as exc:
+                    for i in todo:  # drafting is optional: these verify their anchor alone this round
+                        if out[i] is None:
+                            out[i] = self._orphan(items[i].state, exc)
+                    todo = []
+            for i in todo:
+                out[i] = self._orphan(items[i].state, Unavailable("drafting failed"))
+            if all(p is not None and p.tokens for p in out):
+                self._orphaned = 0
             return out  # type: ignore[return-value]
 
     def _propose_round(self, items, seeds, todo, out, last: bool) -> list[int]:
-        md = outgoing_metadata()
+        md = _caller_md(self.caller)
         by_pod: dict[str, list[int]] = {}
         for i in todo:
             by_pod.setdefault(items[i].state.pod.address, []).append(i)
@@ -397,9 +460,7 @@ class RemoteDrafter:
                     _raise_status(exc, "propose")
                 self.pool.mark_dead(pod, exc)
                 for i in idx:
-                    self._place(items[i].state, exclude={pod.address})
-                    items[i].state.resend = True
-                retry.extend(idx)
+                    self._move(items, i, pod, out, retry)
                 continue
             for i, p in zip(idx, resp.proposals):
                 h: DraftHandle = items[i].state
@@ -410,14 +471,22 @@ class RemoteDrafter:
                     if last:
                         raise Unavailable(f"propose {h.request_id}: {p.error_message}")
                     pod.stub.Release(types_pb2.DrafterServiceReleaseRequest(request_ids=[h.request_id]),
-                                     timeout=self.timeout_s)
+                                     timeout=self.timeout_s, metadata=md)
                     h.resend, h.length = True, 0
                     retry.append(i)
                 elif p.status == types_pb2.ITEM_STATUS_RESOURCE_EXHAUSTED and not last:
-                    self._place(h, exclude={pod.address})
-                    h.resend = True
-                    retry.append(i)
+                    self._move(items, i, pod, out, retry)
                 else:
                     raise InvalidArgument(f"propose item {h.request_id}", p.error_message, "was refused by the drafter")
         return retry
 
+    def _move(self, items, i: int, pod: Pod, out: list, retry: list) -> None:
+        """Item i goes to another drafter with its whole context (retried this round), or drafts nowhere."""
+        h: DraftHandle = items[i].state
+        h.resend = True
+        try:
+            self._place(h, exclude={pod.address})
+        except Unavailable as e:
+            out[i] = self._orphan(h, e)
+            return
+        retry.append(i)

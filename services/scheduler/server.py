@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from dspark_core.cost_model import SpsTable
 from dspark_core.engine import Engine, EngineConfig
@@ -19,10 +20,10 @@ from dspark_core.scheduling import policy_spec
 from dspark_protos.dspark.v1 import (drafter_service_pb2_grpc, scheduler_service_pb2, scheduler_service_pb2_grpc,
                                      verifier_service_pb2_grpc)
 
-from ..common.app import ServingApp, default_pod_id
+from ..common.app import ServingApp, default_pod_id, make_registry
 from ..common.errors import Unavailable
-from ..common.registry import Registry, RegistryConfig
-from ..common.server import GrpcService, ServerConfig
+from ..common.security import load_tls, warn_if_insecure
+from ..common.server import MAX_REQUEST_BYTES, GrpcService, ServerConfig
 from .loop import EngineLoop
 from .pods import PodPool
 from .remote import RemoteDrafter, RemoteVerifier
@@ -42,6 +43,8 @@ class SchedulerConfig:
     # False: autoregressive, no drafter; None: use one when any is found at start
     use_drafter: bool | None = None
     tokenizer_dir: str | None = None
+    # tokenizer_dir is a default guess: use it only if the verifiers serve the model of that directory
+    tokenizer_checked: bool = False
     # embedded mode (`dspark serve all`): the models run in this process
     embedded_target: str | None = None
     embedded_drafter: str | None = None
@@ -83,6 +86,14 @@ class SchedulerConfig:
     record_rounds: str | None = None
     # autoscale to hold this many tokens per second per user (None: on request counts alone)
     target_user_tps: float | None = None
+    # requests wait this long for a verifier when none is reachable (a lone one restarting), then fail
+    verifier_grace_s: float = 30.0
+    # TLS: serve clients over TLS and talk to pods with mutual TLS (ca.crt, tls.crt, tls.key); None = plaintext
+    tls_dir: str | None = None
+    # clients must send one of these (authorization: Bearer <key>); empty = no authentication
+    api_keys: tuple[str, ...] = ()
+    redis_password: str | None = None
+    redis_ca: str | None = None
 
     def __post_init__(self):
         if self.embedded_target is None and not self.verifier_addresses and not self.redis_url:
@@ -93,6 +104,8 @@ class SchedulerConfig:
                      collapse_ratio=self.collapse_ratio)  # validates
         if self.target_user_tps is not None and not self.target_user_tps > 0:
             raise InvalidArgument("target_user_tps", self.target_user_tps, "must be > 0 tokens per second")
+        if not self.verifier_grace_s >= 0:
+            raise InvalidArgument("verifier_grace_s", self.verifier_grace_s, "must be >= 0")
         if self.default_max_new_tokens < 1:
             raise InvalidArgument("default_max_new_tokens", self.default_max_new_tokens, "must be >= 1")
 
@@ -119,12 +132,15 @@ class _Stack:
 class SchedulerApp(ServingApp):
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.grpc = GrpcService(config.server, [SERVICE_NAME])
+        self.tls = load_tls(config.tls_dir)
+        warn_if_insecure("scheduler", self.tls, tuple(config.api_keys))
+        self.grpc = GrpcService(config.server, [SERVICE_NAME], tls=self.tls, require_client_auth=False,
+                                api_keys=tuple(config.api_keys), max_receive_bytes=MAX_REQUEST_BYTES)
         self.port = self.grpc.port
         self.id = config.scheduler_id or default_pod_id("scheduler", self.port)
         self.servicer = SchedulerServicer()
         scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, self.grpc.server)
-        self.registry = Registry(RegistryConfig(config.redis_url)) if config.redis_url else None
+        self.registry = make_registry(config)
         self.verifiers: PodPool | None = None
         self.drafters: PodPool | None = None
         self.remote_verifier: RemoteVerifier | None = None
@@ -179,10 +195,10 @@ class SchedulerApp(ServingApp):
 
         c = self.config
         self.verifiers = PodPool("verifier", verifier_service_pb2_grpc.VerifierServiceStub,
-                                 tuple(c.verifier_addresses), self.registry)
+                                 tuple(c.verifier_addresses), self.registry, tls=self.tls)
         self.drafters = PodPool("drafter", drafter_service_pb2_grpc.DrafterServiceStub,
-                                tuple(c.drafter_addresses), self.registry)
-        rv = RemoteVerifier(self.verifiers, self.registry, c.rpc_timeout_s)
+                                tuple(c.drafter_addresses), self.registry, tls=self.tls)
+        rv = RemoteVerifier(self.verifiers, self.registry, c.rpc_timeout_s, caller=self.id)
         deadline = time.monotonic() + c.startup_wait_s
         info = None
         while info is None:
@@ -216,7 +232,12 @@ class SchedulerApp(ServingApp):
             raise InvalidArgument("tap_layer_ids", info.tap_layer_ids,
                                   f"of the verifier must equal the drafter's target_layer_ids {drafter.target_layer_ids}")
         ecfg = self._engine_config(drafter is not None, bool(info.sps_points))
-        tokenizer = load_tokenizer(c.tokenizer_dir) if c.tokenizer_dir else None
+        tokenizer_dir = c.tokenizer_dir
+        if tokenizer_dir and c.tokenizer_checked and Path(tokenizer_dir).name != info.name:
+            log.warning("text prompts are off: the verifiers serve %r; pass --target DIR (or --tokenizer) for "
+                        "its tokenizer", info.name)
+            tokenizer_dir = None
+        tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         card = ModelCard(c.served_model_name or info.name, info.vocab_size, info.max_context,
                          getattr(drafter, "name", None), ecfg.policy,
                          info.eos_token_ids, c.default_max_new_tokens)
@@ -272,7 +293,7 @@ class SchedulerApp(ServingApp):
                                     observer=observer),
             self.registry, self.id, checkpoint=rv.checkpoint if rv is not None else None,
             pods_capacity=self._pods_capacity, autoscaler=autoscaler, record_rounds=c.record_rounds,
-            target_user_tps=c.target_user_tps)
+            target_user_tps=c.target_user_tps, verifier_grace_s=c.verifier_grace_s)
         self.loop.budgets = budgets
         self.engine = self.loop.engine
         self.loop.start()
@@ -284,7 +305,8 @@ class SchedulerApp(ServingApp):
 
             self.http, self.http_port = await start_http(self.frontend, c.http_host, c.http_port,
                                                          lambda: not self.grpc.draining,
-                                                         self.registry.check if self.registry else None)
+                                                         self.registry.check if self.registry else None,
+                                                         tuple(c.api_keys), self.tls.ssl_context() if self.tls else None)
         await self.grpc.set_serving()
         log.info("scheduler ready", extra={"id": self.id, "port": self.port, "http_port": self.http_port,
                                            "model": card.name, "drafter": card.drafter, "policy": card.policy})

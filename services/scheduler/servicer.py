@@ -21,6 +21,7 @@ from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
 
 from ..common.convert import FINISH_REASONS, logprobs_to_proto, params_from_proto
 from ..common.errors import Unavailable
+from ..common.limits import check_request_id, check_sampling
 from ..common.tracing import tracer
 from .loop import EngineLoop, Update
 
@@ -54,6 +55,14 @@ class Detokenizer:
         return delta
 
 
+def longest_token_bytes(tokenizer) -> int:
+    """UTF-8 bytes of the tokenizer's longest vocabulary entry (byte-level BPE entries are one char a byte)."""
+    try:
+        return max((len(t.encode()) for t in tokenizer.get_vocab()), default=16)
+    except Exception:  # noqa: BLE001 - an unusual tokenizer: assume long tokens
+        return 64
+
+
 def encode_text(tokenizer, text: str, field: str, chat: bool = False) -> list[int]:
     if tokenizer is None:
         raise InvalidArgument(field, text[:40], "needs a tokenizer; this model has none, send prompt_token_ids")
@@ -75,6 +84,35 @@ class Frontend:
         self.registry, self.adopt_after_s = registry, adopt_after_s
         self.draining = False
         self.adopted = 0  # requests adopted from a lost scheduler's checkpoint
+        # a text longer than this cannot fit in the context window even if every token were the longest one
+        self.max_prompt_bytes = card.max_context * max(4, min(
+            longest_token_bytes(tokenizer) if tokenizer is not None else 16, 256))
+
+    async def encode(self, text: str, field: str, chat: bool = False, messages: list | None = None) -> list[int]:
+        """Tokenize off the event loop, within the byte and token limits of the context window."""
+        size = len(text.encode("utf-8", "replace")) if messages is None else sum(
+            len(str(m.get("content", "")).encode("utf-8", "replace")) for m in messages)
+        if size > self.max_prompt_bytes:
+            raise InvalidArgument(field, f"{size} bytes", f"must be at most {self.max_prompt_bytes} bytes: longer text "
+                                  f"cannot fit in the context window ({self.card.max_context} tokens)")
+        if messages is None:
+            ids = await asyncio.to_thread(encode_text, self.tokenizer, text, field, chat)
+        else:
+            ids = await asyncio.to_thread(self._encode_messages, messages, field)
+        if len(ids) >= self.card.max_context:
+            raise InvalidArgument(field, f"{len(ids)} tokens",
+                                  f"must be shorter than the context window ({self.card.max_context} tokens)")
+        return ids
+
+    def _encode_messages(self, messages: list, field: str) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidArgument(field, "...", "need a tokenizer; this model has none")
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "\n".join(str(m.get("content", "")) for m in messages) + "\n"
+        return tok.encode(text, add_special_tokens=False)
 
     def check_names(self, model: str, drafter: str, policy: str) -> None:
         if model and model != self.card.name:
@@ -84,18 +122,21 @@ class Frontend:
         if policy and POLICY_ALIASES.get(policy, policy) != self.card.policy:
             raise InvalidArgument("policy", policy, f"must be the configured policy ({self.card.policy})")
 
-    def parse(self, request) -> tuple[str, list[int], object]:
+    async def parse(self, request) -> tuple[str, list[int], object]:
+        rid = check_request_id(request.request_id) if request.request_id else f"req-{uuid.uuid4().hex[:16]}"
         which = request.WhichOneof("prompt")
         if which is None:
             raise InvalidArgument("prompt", None, "must be set: prompt_text or prompt_token_ids")
+        self.check_names(request.model, request.drafter, request.policy)
+        params = check_sampling(params_from_proto(request.sampling, self.card.eos_token_ids,
+                                                  self.card.default_max_new_tokens), self.card.vocab_size,
+                                {k: f"sampling.{k}" for k in ("temperature", "top_p", "top_k", "max_new_tokens",
+                                                                "stop_token_ids")})
         if which == "prompt_text":
-            ids = encode_text(self.tokenizer, request.prompt_text, "prompt_text")
+            ids = await self.encode(request.prompt_text, "prompt_text")
         else:
             ids = list(request.prompt_token_ids.token_ids)
         validate_prompt_ids(ids, self.card.vocab_size, self.card.max_context, which)
-        self.check_names(request.model, request.drafter, request.policy)
-        params = params_from_proto(request.sampling, self.card.eos_token_ids, self.card.default_max_new_tokens)
-        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         return rid, ids, params
 
     async def _adoptable(self, rid: str, prompt_ids: list[int]) -> list[int]:
@@ -134,9 +175,10 @@ class Frontend:
         # one trace per request: this span (a child of the RPC's server span, if any) parents every round
         span = tracer.start_span("generate", attributes={"dspark.request_id": rid,
                                                          "dspark.prompt_tokens": len(prompt_ids)})
-        fut = (submit or self.loop.submit)(prompt_ids, params, rid,
-                                           lambda u: aloop.call_soon_threadsafe(q.put_nowait, u),
-                                           span.get_span_context(), len(prefix))
+        def sink(u):
+            aloop.call_soon_threadsafe(q.put_nowait, u)
+
+        fut = (submit or self.loop.submit)(prompt_ids, params, rid, sink, span.get_span_context(), len(prefix))
         done = submitted = False
         try:
             await asyncio.wrap_future(fut)
@@ -153,8 +195,8 @@ class Frontend:
         finally:
             span.set_attribute("dspark.finished", done)
             span.end()
-            if submitted and not done:
-                self.loop.cancel(rid)
+            if submitted and not done:  # only this request: never another one that shares its id
+                self.loop.cancel(rid, sink)
 
 
 MAX_CHOICES = 16  # n at most, on gRPC and HTTP
@@ -250,7 +292,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
 
     async def Generate(self, request, context):
         self._ready()
-        rid, ids, params = self.f.parse(request)
+        rid, ids, params = await self.f.parse(request)
         n = request.n or 1
         choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id))
         detoks = [Detokenizer(self.f.tokenizer) for _ in range(n)]
@@ -273,7 +315,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
 
     async def GenerateUnary(self, request, context):
         self._ready()
-        rid, ids, params = self.f.parse(request)
+        rid, ids, params = await self.f.parse(request)
         n = request.n or 1
         choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id))
         tokens, logprobs, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n

@@ -22,6 +22,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-ttl", type=float, default=float(flags.env("IDLE_TTL", 300)),
                    help="seconds after which a request with no prefill / verify / resume is released "
                         "(its scheduler crashed); 0 = never (default 300)")
+    p.add_argument("--max-per-caller", type=int, default=flags.env("MAX_PER_CALLER"),
+                   help="KV slots one scheduler may hold at most (default --max-active)")
     flags.add_sps_profile(p)
     g = p.add_argument_group("drafter beside the verifier (one process, one GPU)")
     g.add_argument("--drafter-port", type=int, default=flags.env("DRAFTER_PORT"),
@@ -31,7 +33,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from dspark_core.stack import CALIBRATION_FILE, SPS_FILE, resolve_target
+    from pathlib import Path
+
+    from dspark_core.stack import CALIBRATION_FILE, SPS_FILE, resolve_drafter_path, resolve_target
 
     from ..common import flags
     from ..common.server import ServerConfig, check_port_free
@@ -43,13 +47,19 @@ def run(args) -> int:
     if args.tap_layer_ids:
         taps = tuple(int(x) for x in args.tap_layer_ids.split(",") if x.strip())
     target = resolve_target(args.target, flags.env("MODELS_DIR"), flags.env("HOME"))
+    drafter_path = args.drafter_path
+    default = resolve_target(None, flags.env("MODELS_DIR"))
+    if drafter_path is None and taps is None and Path(target).resolve() == Path(default).resolve():
+        # the default target taps the layers of the default drafter (what `serve drafter` serves)
+        drafter_path = resolve_drafter_path("auto", None, flags.env("MODELS_DIR"), target)
     cfg = VerifierConfig(
         target=target, server=ServerConfig(args.port, args.host, args.drain_seconds),
-        device=args.device, dtype=args.dtype, weights=args.weights, tap_layer_ids=taps, drafter_path=args.drafter_path,
+        device=args.device, dtype=args.dtype, weights=args.weights, tap_layer_ids=taps, drafter_path=drafter_path,
         redis_url=args.redis_url, verifier_id=args.id, advertise_host=args.advertise_host,
         advertise_address=args.advertise_address, max_active=args.max_active,
+        max_per_caller=int(args.max_per_caller) if args.max_per_caller else None,
         idle_ttl_s=args.idle_ttl, profile_budget_s=args.sps_profile_seconds,
-        sps_file=flags.find_generated(target, SPS_FILE))
+        sps_file=flags.find_generated(target, SPS_FILE), tls_dir=args.tls_dir, **flags.redis_auth())
     if args.drafter_port is None:
         return flags.run_app(lambda: VerifierApp(cfg))
     dcfg = colocated_drafter_config(args, flags.find_generated(args.drafter_path or "", CALIBRATION_FILE))
@@ -62,6 +72,7 @@ def colocated_drafter_config(args, calibration_file: str | None = None):
     port and id, advertised on the verifier's host."""
     from dspark_core.errors import InvalidArgument
 
+    from ..common import flags
     from ..common.server import ServerConfig
     from ..drafter.server import DrafterAppConfig
 
@@ -77,7 +88,8 @@ def colocated_drafter_config(args, calibration_file: str | None = None):
                             device=args.device, dtype=args.dtype, matmul_dtype=args.drafter_matmul_dtype,
                             calibration_file=calibration_file, redis_url=args.redis_url,
                             drafter_id=f"{args.id}-drafter" if args.id else None,
-                            advertise_host=args.advertise_host, advertise_address=address)
+                            advertise_host=args.advertise_host, advertise_address=address, tls_dir=args.tls_dir,
+                            **flags.redis_auth())
 
 
 def main(argv: list[str] | None = None) -> int:

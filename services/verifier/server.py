@@ -20,7 +20,7 @@ from dspark_protos.dspark.v1 import verifier_service_pb2, verifier_service_pb2_g
 
 from ..common.app import PodLifecycle, advertise_address
 from ..common.registry import PodRecord
-from ..common.server import ServerConfig
+from ..common.server import MAX_REQUEST_BYTES, ServerConfig
 from .servicer import VerifierServicer
 
 log = logging.getLogger("dspark.verifier")
@@ -42,7 +42,13 @@ class VerifierConfig:
     advertise_host: str | None = None
     advertise_address: str | None = None  # host:port, wins over advertise_host
     max_active: int = 256
+    # KV slots one caller (scheduler) may hold at most; None = max_active
+    max_per_caller: int | None = None
     heartbeat_s: float = 2.0
+    # mutual TLS: a directory with ca.crt, tls.crt, tls.key (only CA-signed peers get in); None = plaintext
+    tls_dir: str | None = None
+    redis_password: str | None = None
+    redis_ca: str | None = None
     coalesce_wait_s: float = 0.002
     # a request untouched (no prefill / verify / resume) this long is released; 0 = never. A live
     # scheduler touches its requests every round (well under a second), and one whose verifier forgot a
@@ -56,6 +62,8 @@ class VerifierConfig:
     def __post_init__(self):
         if self.max_active < 1:
             raise InvalidArgument("max_active", self.max_active, "must be >= 1")
+        if self.max_per_caller is not None and self.max_per_caller < 1:
+            raise InvalidArgument("max_per_caller", self.max_per_caller, "must be >= 1")
         if not self.idle_ttl_s >= 0:
             raise InvalidArgument("idle_ttl_s", self.idle_ttl_s, "must be >= 0 (0 = never expire)")
         if not self.profile_budget_s >= 0:
@@ -110,9 +118,10 @@ def sps_points(table) -> list:
 class VerifierApp(PodLifecycle):
     def __init__(self, config: VerifierConfig):
         self._init_pod("verifier", config, SERVICE_NAME, config.verifier_id,
-                       lambda pod_id, ex: VerifierServicer(pod_id, ex, config.max_active, config.coalesce_wait_s),
-                       verifier_service_pb2_grpc.add_VerifierServiceServicer_to_server)
-        self._expiry: asyncio.Task | None = None
+                       lambda pod_id, ex: VerifierServicer(pod_id, ex, config.max_active, config.coalesce_wait_s,
+                                                           config.max_per_caller),
+                       verifier_service_pb2_grpc.add_VerifierServiceServicer_to_server,
+                       max_receive_bytes=MAX_REQUEST_BYTES)  # it sends features, never receives them
 
     def _load(self):
         from dspark_core.sampling import SamplingParams
@@ -146,31 +155,8 @@ class VerifierApp(PodLifecycle):
         target, verifier, sps = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
         self.servicer.attach(verifier, target, sps_points(sps))
         await self.go_live()
-        if self.config.idle_ttl_s > 0:
-            self._expiry = asyncio.ensure_future(self._expire_idle(self.config.idle_ttl_s))
+        self.start_expiry(self.config.idle_ttl_s)
         log.info("verifier ready", extra={"id": self.id, "model": target.name, "port": self.port,
                                           "taps": json.dumps(list(target.config.tap_layer_ids))})
         return self
 
-    async def _expire_idle(self, ttl_s: float) -> None:
-        """Every ttl/4 (at most 10 s): release requests idle for longer than ttl_s, on the model thread."""
-        period = min(max(ttl_s / 4, 0.05), 10.0)
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(period)
-            try:
-                expired = await loop.run_in_executor(self.executor, self.servicer.expire_idle, ttl_s)
-            except RuntimeError:  # the executor shut down: the app is stopping
-                return
-            except Exception:  # noqa: BLE001 - the sweep must keep running
-                log.exception("idle expiry failed")
-                continue
-            if expired:
-                log.warning("released idle requests", extra={"count": len(expired), "idle_ttl_s": ttl_s,
-                                                             "request_ids": json.dumps(expired[:10])})
-
-    def _release(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-        super()._release()

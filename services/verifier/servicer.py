@@ -11,6 +11,8 @@ vanished without a Release (the app calls it periodically). Knows nothing about 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 from concurrent.futures import Executor
 
@@ -26,8 +28,11 @@ from ..common.errors import Unavailable
 from ..common.convert import (features_to_proto, logprobs_to_proto, params_from_proto, prefill_item_from_proto,
                               verify_item_from_proto, verify_result_to_proto)
 from ..common.heartbeat import Ewma
+from ..common.identity import OwnedTable, caller_of, key, split
+from ..common.limits import check_request_id
 
 _S = "verifier"
+log = logging.getLogger("dspark.verifier")
 
 
 class _ItemError:
@@ -44,11 +49,13 @@ def _item_error(exc: Exception) -> _ItemError:
         return _ItemError(types_pb2.ITEM_STATUS_RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, InvalidArgument):
         return _ItemError(types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(exc))
-    raise exc
+    log.error("verify item failed", exc_info=exc)
+    return _ItemError(types_pb2.ITEM_STATUS_INVALID_ARGUMENT, "item failed (see the verifier log)")
 
 
 class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, verifier_id: str, executor: Executor, max_active: int = 256, coalesce_wait_s: float = 0.002):
+    def __init__(self, verifier_id: str, executor: Executor, max_active: int = 256, coalesce_wait_s: float = 0.002,
+                 max_per_caller: int | None = None, evict_idle_s: float = 10.0):
         self.verifier: Verifier | None = None
         self.target: TargetRuntime | None = None
         self.verifier_id, self.executor, self.max_active = verifier_id, executor, max_active
@@ -56,7 +63,8 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self.sps_points: list = []  # the profiled table (sps.json) the pod started from
         self.online_sps = None  # OnlineSpsTable: that table corrected by every verify pass, published live
         self.step_time, self.tokens_per_step = Ewma(), Ewma()
-        self.last_used: dict[str, float] = {}  # request id -> monotonic time of its last prefill / verify / resume
+        # (caller + request id) -> last prefill / verify / resume; the Verifier's slots are keyed the same way
+        self.owned = OwnedTable(max_active, max_per_caller, evict_idle_s)
         self._verify = Coalescer(self._verify_batch, executor, max_wait_s=coalesce_wait_s)
         self._prefill = Coalescer(self._prefill_batch, executor, max_wait_s=coalesce_wait_s)
 
@@ -65,6 +73,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self.verifier, self.target = verifier, target
         self.num_layers = len(target.config.tap_layer_ids)
         self.sps_points = [list(p) for p in sps_points]
+        metrics.ACTIVE_STATES.labels(service=_S).set(verifier.num_active)  # present (0) before any request
         if self.sps_points:
             from dspark_core.cost_model import OnlineSpsTable, SpsTable
 
@@ -92,20 +101,55 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         metrics.BATCH_TOKENS.labels(service=_S, rpc=rpc).observe(num_tokens)
         return metrics.FORWARD_SECONDS.labels(service=_S, rpc=rpc).time()
 
+    def _free(self, keys) -> None:
+        for k in keys:
+            self.verifier.release(k)
+            self.owned.forget(k)
+
+    def _make_room(self, keys: list[str]) -> None:
+        evict = self.owned.make_room(keys, f"verifier {self.verifier_id}")
+        if evict:  # their schedulers resume them (UNKNOWN_REQUEST -> Resume) if they come back
+            metrics.VERIFIER_EXPIRED.inc(len(evict))
+            self._free(evict)
+
     def _prefill_batch(self, items: list[PrefillItem]) -> list:
-        for it in items:  # a retried Prefill (lost reply, or a scheduler adopting the request) starts over
-            if it.request_id in self.verifier:
-                self.verifier.release(it.request_id)
-        if self.verifier.num_active + len(items) > self.max_active:
-            raise ResourceExhausted(f"verifier {self.verifier_id} holds {self.verifier.num_active} requests "
-                                    f"(max_active_requests {self.max_active})")
+        """Per item (calls from several schedulers share the pass): (StepResult, seconds), or the exception
+        that item alone failed with (no room for its caller, or its own bad input)."""
+        out: list = [None] * len(items)
+        admitted = []
+        latest = {it.request_id: i for i, it in enumerate(items)}
+        for i, it in enumerate(items):
+            if latest[it.request_id] != i:  # the same request twice in one pass: the later call wins
+                out[i] = Unavailable(f"request_id {split(it.request_id)[1]!r} was prefilled again")
+                continue
+            if it.request_id in self.verifier:  # a retried Prefill (lost reply, adopted request) starts over
+                self._free([it.request_id])
+            try:
+                self._make_room([it.request_id])
+            except ResourceExhausted as exc:
+                out[i] = exc
+                continue
+            self.owned.touch([it.request_id])  # holds its place while the batch runs
+            admitted.append(i)
+        batch = [items[i] for i in admitted]
         t0 = time.perf_counter()
-        with self._timed("prefill", sum(len(i.prompt_ids) for i in items)):
-            out = self.verifier.prefill(items)
+        with self._timed("prefill", sum(len(i.prompt_ids) for i in batch)):
+            try:
+                results = self.verifier.prefill(batch) if batch else []
+            except Exception:  # noqa: BLE001 - one item's input must not fail the others
+                results = []
+                for it in batch:
+                    try:
+                        results.extend(self.verifier.prefill([it]))
+                    except Exception as exc:  # noqa: BLE001 - that item's error, raised by its own call
+                        results.append(exc)
         dt = time.perf_counter() - t0
-        self._touch(it.request_id for it in items)
+        for i, r in zip(admitted, results):
+            out[i] = r if isinstance(r, Exception) else (r, dt)
+            if isinstance(r, Exception):
+                self.owned.forget(items[i].request_id)
         metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
-        return [(r, dt) for r in out]
+        return out
 
     def _verify_batch(self, entries: list) -> list:
         out: list = [None] * len(entries)
@@ -115,10 +159,11 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
                 out[i] = e
             elif e.request_id not in self.verifier:
                 out[i] = _ItemError(types_pb2.ITEM_STATUS_UNKNOWN_REQUEST,
-                                    f"request_id {e.request_id!r} is not active on verifier {self.verifier_id}")
+                                    f"request_id {split(e.request_id)[1]!r} is not active on verifier "
+                                    f"{self.verifier_id}")
             else:
                 pending.append(i)
-        self._touch(entries[i].request_id for i in pending)
+        self.owned.touch(entries[i].request_id for i in pending)
         metrics.BATCH_CALLS.labels(service=_S).observe(self._verify.last_batch_calls)
         while pending:  # waves: a request id appears at most once per forward pass
             seen, wave, rest = set(), [], []
@@ -131,12 +176,12 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
             try:
                 with self._timed("verify", tokens):
                     results = self.verifier.verify([entries[i] for i in wave])
-            except (InvalidArgument, NotFound, ResourceExhausted):
+            except Exception:  # noqa: BLE001 - isolate the bad item(s)
                 results = []
-                for i in wave:  # isolate the bad item(s)
+                for i in wave:
                     try:
                         results.extend(self.verifier.verify([entries[i]]))
-                    except (InvalidArgument, NotFound, ResourceExhausted) as exc:
+                    except Exception as exc:  # noqa: BLE001 - that item's status
                         results.append(_item_error(exc))
             dt = time.perf_counter() - t0
             self.step_time.update(dt)
@@ -145,46 +190,35 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
                 out[i] = (r, dt, tokens, len(wave))
         return out
 
-    def _resume(self, req) -> tuple[StepResult, bool, float]:
+    def _resume(self, req, rid: str) -> tuple[StepResult, bool, float]:
         params = params_from_proto(req.sampling, self.target.eos_token_ids)
-        rid = req.request_id
         if rid in self.verifier:
-            self.verifier.release(rid)
+            self._free([rid])
+        self._make_room([rid])
         t0 = time.perf_counter()
         if not req.generated_token_ids:
-            if self.verifier.num_active >= self.max_active:
-                raise ResourceExhausted(f"verifier {self.verifier_id} is full (max_active_requests {self.max_active})")
             res = self.verifier.prefill([PrefillItem(rid, tuple(req.prompt_token_ids), params)])[0]
-            self._touch([rid])
+            self.owned.touch([rid])
             return res, True, time.perf_counter() - t0
-        if self.verifier.num_active >= self.max_active:
-            raise ResourceExhausted(f"verifier {self.verifier_id} is full (max_active_requests {self.max_active})")
         res = self.verifier.resume(rid, list(req.prompt_token_ids), list(req.generated_token_ids), params)
-        self._touch([rid])
+        self.owned.touch([rid])
         metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
         return res, False, time.perf_counter() - t0
-
-    def _touch(self, request_ids) -> None:
-        now = time.monotonic()
-        for rid in request_ids:
-            self.last_used[rid] = now
 
     def expire_idle(self, ttl_s: float) -> list[str]:
         """Model thread: release every request not prefilled, verified or resumed for `ttl_s` seconds
         (its scheduler crashed, or lost it, before a Release). Returns the released ids."""
         if self.verifier is None:
             return []
-        cutoff = time.monotonic() - ttl_s
         expired = []
-        for rid, t in list(self.last_used.items()):
-            if rid not in self.verifier:
-                del self.last_used[rid]  # freed some other way
-            elif t < cutoff:
-                # counted before the release: whoever sees the request gone also sees it counted
-                metrics.VERIFIER_EXPIRED.inc()
-                self.verifier.release(rid)
-                del self.last_used[rid]
-                expired.append(rid)
+        for k in self.owned.idle(0.0):
+            if k not in self.verifier:
+                self.owned.forget(k)  # freed some other way
+        for k in self.owned.idle(ttl_s):
+            # counted before the release: whoever sees the request gone also sees it counted
+            metrics.VERIFIER_EXPIRED.inc()
+            self._free([k])
+            expired.append(split(k)[1])
         if expired:
             metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
         return expired
@@ -193,8 +227,13 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
     async def Prefill(self, request, context):
         self._ready()
         item = prefill_item_from_proto(request, self.target.eos_token_ids)
-        [(res, dt)], queued = await self._prefill.submit([item])
-        resp = types_pb2.PrefillResponse(request_id=res.request_id, anchor_token_id=res.tokens[0],
+        check_request_id(item.request_id)
+        item = dataclasses.replace(item, request_id=key(caller_of(context), item.request_id))  # caller's own
+        [out], queued = await self._prefill.submit([item])
+        if isinstance(out, Exception):
+            raise out
+        res, dt = out
+        resp = types_pb2.PrefillResponse(request_id=request.request_id, anchor_token_id=res.tokens[0],
                                          anchor_position=len(item.prompt_ids), stopped=res.stopped)
         if res.stopped:
             resp.finish_reason = types_pb2.FINISH_REASON_STOP
@@ -207,9 +246,11 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
     async def Verify(self, request, context):
         self._ready()
         entries = []
+        caller = caller_of(context)
         for i, it in enumerate(request.items):
             try:
-                entries.append(verify_item_from_proto(it, f"items[{i}]"))
+                e = verify_item_from_proto(it, f"items[{i}]")
+                entries.append(dataclasses.replace(e, request_id=key(caller, e.request_id)))
             except InvalidArgument as exc:
                 entries.append(_ItemError(types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(exc)))
         if not entries:
@@ -237,7 +278,9 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self._ready()
         if not request.request_id:
             raise InvalidArgument("request_id", request.request_id, "must not be empty")
-        res, fresh, dt = await asyncio.get_running_loop().run_in_executor(self.executor, self._resume, request)
+        check_request_id(request.request_id)
+        res, fresh, dt = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self._resume, request, key(caller_of(context), request.request_id))
         gen = list(request.generated_token_ids)
         anchor = res.tokens[0] if fresh else gen[-1]
         resp = types_pb2.ResumeResponse(
@@ -255,10 +298,12 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
 
     async def Release(self, request, context):
         self._ready()
+        keys = [key(caller_of(context), rid) for rid in request.request_ids]
+
         def release():
-            n = sum(1 for rid in request.request_ids if self.verifier.release(rid))
-            for rid in request.request_ids:
-                self.last_used.pop(rid, None)
+            n = sum(1 for k in keys if self.verifier.release(k))
+            for k in keys:
+                self.owned.forget(k)
             metrics.ACTIVE_STATES.labels(service=_S).set(self.verifier.num_active)
             return n
 

@@ -82,6 +82,13 @@ MATRIX: dict[str, dict] = {
             },
         },
     },
+    "tls-cert-manager": {
+        "tls": {"enabled": True, "certManager": {"enabled": True, "issuerName": "dspark-ca", "issuerKind": "ClusterIssuer"}},
+        "apiKeys": {"existingSecret": "dspark-api-keys"},
+        "networkPolicy": {"clientsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}],
+                          "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
+    },
+    "tls-secrets": {"tls": {"enabled": True, "existingSecrets": {"verifier": "my-verifier-tls"}}},
     "minimal": {
         "serviceAccount": {"create": False},
         "networkPolicy": {"enabled": False},

@@ -3,7 +3,7 @@
 - SERVE: the `dspark serve <component>` flags of the services' contract, so that the chart's and
   compose's command lines are checked even before the CLI exists (test_cli_args.py then checks
   them with the real parser).
-- CRD_SCHEMAS: the subset of KEDA and Prometheus-operator CRD schemas the chart uses, strict about
+- CRD_SCHEMAS: the subset of KEDA, Prometheus-operator and cert-manager CRD schemas the chart uses, strict about
   unknown fields (kubernetes-validate has no schemas for CRDs).
 """
 
@@ -150,6 +150,37 @@ CRD_SCHEMAS: dict[tuple[str, str], dict] = {
                     }
                 },
                 ["secretTargetRef"],
+            ),
+        },
+        ["apiVersion", "kind", "metadata", "spec"],
+    ),
+    # https://cert-manager.io/docs/reference/api-docs/#cert-manager.io/v1.Certificate
+    ("cert-manager.io/v1", "Certificate"): _strict(
+        {
+            "apiVersion": {"const": "cert-manager.io/v1"},
+            "kind": {"const": "Certificate"},
+            "metadata": _METADATA,
+            "spec": _strict(
+                {
+                    "secretName": {"type": "string", "minLength": 1},
+                    "commonName": {"type": "string", "maxLength": 64},
+                    "dnsNames": {"type": "array", "items": {"type": "string"}},
+                    "ipAddresses": {"type": "array", "items": {"type": "string"}},
+                    "duration": {"type": "string", "pattern": "^[0-9]+(h|m|s)$"},
+                    "renewBefore": {"type": "string", "pattern": "^[0-9]+(h|m|s)$"},
+                    "privateKey": _strict({"algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]}, "size": {"type": "integer"},
+                                           "rotationPolicy": {"enum": ["Never", "Always"]},
+                                           "encoding": {"enum": ["PKCS1", "PKCS8"]}}),
+                    "usages": {"type": "array", "items": {"enum": [
+                        "signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+                        "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any",
+                        "server auth", "client auth", "code signing", "email protection", "s/mime", "ipsec end system",
+                        "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc"]}},
+                    "issuerRef": _strict({"name": {"type": "string", "minLength": 1},
+                                          "kind": {"enum": ["Issuer", "ClusterIssuer"]}, "group": {"type": "string"}},
+                                         ["name"]),
+                },
+                ["secretName", "issuerRef"],
             ),
         },
         ["apiVersion", "kind", "metadata", "spec"],

@@ -148,7 +148,8 @@ def test_drafter_and_verifier_networking_admits_only_schedulers_on_grpc(objects)
         grpc_rule, metrics_rule = named(objs, "NetworkPolicy", f"dspark-{comp}")["spec"]["ingress"]
         assert grpc_rule["ports"] == [{"port": port, "protocol": "TCP"}]
         assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in grpc_rule["from"]] == ["scheduler"]
-        assert "from" not in metrics_rule
+        # metrics: the release's own pods unless networkPolicy.metricsFrom says who else scrapes
+        assert metrics_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "dspark"}}}]
         assert named(objs, "Service", f"dspark-{comp}")["spec"]["clusterIP"] == "None"
     assert "clusterIP" not in named(objs, "Service", "dspark-scheduler")["spec"]
 

@@ -148,6 +148,9 @@ def _probe_port(probe: dict):
     for handler in ("grpc", "tcpSocket", "httpGet"):
         if handler in probe:
             return handler, probe[handler]["port"]
+    cmd = probe.get("exec", {}).get("command", [])
+    if cmd[:3] == ["python3", "-m", "services.common.probe"] and "--port" in cmd:  # the gRPC health check over TLS
+        return "grpc", int(cmd[cmd.index("--port") + 1])
     raise AssertionError(f"probe without a handler: {probe}")
 
 
@@ -167,8 +170,10 @@ def test_dspark_containers_use_native_grpc_probes_with_a_startup_probe(case):
     for d in deployments(objs, dspark_only=True):
         c = main_container(d)
         grpc_port = container_ports(d)["grpc"]
-        assert c["startupProbe"]["grpc"]["port"] == grpc_port
-        assert c["readinessProbe"]["grpc"]["port"] == grpc_port
+        # native grpc probes; with tls.enabled the same health check over TLS (kubelet's grpc probes are plaintext)
+        assert _probe_port(c["startupProbe"]) == ("grpc", grpc_port)
+        assert _probe_port(c["readinessProbe"]) == ("grpc", grpc_port)
+        assert ("grpc" in c["readinessProbe"]) != bool(values.get("tls", {}).get("enabled"))
         liveness_off = values.get(component(d), {}).get("probes", {}).get("liveness", {}).get("enabled") is False
         assert ("livenessProbe" not in c) == liveness_off
         budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]

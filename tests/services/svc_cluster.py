@@ -29,9 +29,9 @@ def verifier(aio, target, drafter_path=None, redis_url=None, vid=None, **kw) -> 
                                                      redis_url=redis_url, verifier_id=vid, heartbeat_s=0.5, **kw)))
 
 
-def drafter(aio, path, redis_url=None, did=None) -> DrafterApp:
+def drafter(aio, path, redis_url=None, did=None, **kw) -> DrafterApp:
     return aio.run(_make(DrafterApp, DrafterAppConfig(str(path), LOCAL, device="cpu", dtype="float32",
-                                                      redis_url=redis_url, drafter_id=did, heartbeat_s=0.5)))
+                                                      redis_url=redis_url, drafter_id=did, heartbeat_s=0.5, **kw)))
 
 
 def scheduler(aio, **kw) -> SchedulerApp:

@@ -31,20 +31,21 @@ def redis_executable() -> str:
 class RedisServer:
     """A throw-away redis-server process (no persistence) that can be stopped and restarted on its port."""
 
-    def __init__(self, tmp: Path):
-        self.port, self.tmp, self.proc = free_port(), tmp, None
+    def __init__(self, tmp: Path, password: str | None = None):
+        self.port, self.tmp, self.proc, self.password = free_port(), tmp, None, password
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
         self.proc = subprocess.Popen(
             [redis_executable(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "--dir", str(self.tmp), *(["--requirepass", self.password] if self.password else [])],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
 
         deadline = time.monotonic() + 10
         while True:
             try:
-                redis.Redis(port=self.port, socket_timeout=0.2).ping()
+                redis.Redis(port=self.port, socket_timeout=0.2, password=self.password).ping()
                 return self
             except redis.RedisError:
                 if time.monotonic() > deadline:
@@ -60,4 +61,4 @@ class RedisServer:
     def client(self):
         import redis
 
-        return redis.Redis(port=self.port, decode_responses=True, socket_timeout=1)
+        return redis.Redis(port=self.port, decode_responses=True, socket_timeout=1, password=self.password)

@@ -11,6 +11,7 @@ import pytest
 from dspark_protos.dspark.v1 import types_pb2
 
 import svc_cluster as cluster
+from services.common.identity import key  # the verifier keys state by caller + id
 
 TTL = 0.6
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -40,14 +41,14 @@ def test_idle_request_is_released_and_counted_busy_one_is_kept(short_ttl_verifie
         anchors[rid] = (resp.anchor_token_id, resp.anchor_position)
     assert v.servicer.verifier.num_active == 2
     deadline = time.monotonic() + 3 * TTL + 5
-    while "idle" in v.servicer.verifier and time.monotonic() < deadline:
+    while key("/", "idle") in v.servicer.verifier and time.monotonic() < deadline:
         anchor, pos = anchors["busy"]  # a live scheduler's rounds: a plain decode step each
         res = stub.Verify(types_pb2.VerifyRequest(items=[types_pb2.VerifyItem(
             request_id="busy", anchor_token_id=anchor, anchor_position=pos)]), timeout=30).results[0]
         assert res.status == types_pb2.ITEM_STATUS_OK
         anchors["busy"] = (res.committed_token_ids[-1], pos + len(res.committed_token_ids))
         time.sleep(TTL / 6)
-    assert "idle" not in v.servicer.verifier and "busy" in v.servicer.verifier
+    assert key("/", "idle") not in v.servicer.verifier and key("/", "busy") in v.servicer.verifier
     assert _expired() - before == 1
     from services.common import metrics
 
@@ -58,7 +59,7 @@ def test_idle_request_is_released_and_counted_busy_one_is_kept(short_ttl_verifie
     # Release frees it now; the sweep has nothing left to expire (the counter does not move)
     assert stub.Release(types_pb2.VerifierServiceReleaseRequest(request_ids=["busy"]), timeout=30).num_released == 1
     time.sleep(2 * TTL)
-    assert v.servicer.verifier.num_active == 0 and _expired() - before == 1 and not v.servicer.last_used
+    assert v.servicer.verifier.num_active == 0 and _expired() - before == 1 and not v.servicer.owned
 
 
 def test_idle_ttl_must_be_non_negative(fixtures_dir):

@@ -1,6 +1,6 @@
 """The tiny text model (real tokenizer): `serve all`'s embedded scheduler and a distributed verifier +
 scheduler (static addresses, no Redis) both produce the target's own greedy text; the OpenAI-compatible
-HTTP routes (completions, chat with SSE, models, health, metrics) serve the same engine."""
+HTTP routes (completions, chat with SSE, models, health) serve the same engine; metrics are on their own port."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def _http(port, path, body=None):
         return e.code, e.read().decode()
 
 
-def test_openai_completions_chat_sse_models_health_metrics(embedded, expected, tiny_target_dir):
+def test_openai_completions_chat_sse_models_health_and_no_metrics(embedded, expected, tiny_target_dir):
     port = embedded.http_port
     tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
     eos = embedded.frontend.card.eos_token_ids[0]
@@ -123,7 +123,11 @@ def test_openai_completions_chat_sse_models_health_metrics(embedded, expected, t
     status, body = _http(port, "/v1/models")
     assert json.loads(body)["data"][0]["id"] == embedded.frontend.card.name
     assert _http(port, "/health")[0] == 200
-    status, body = _http(port, "/metrics")
+    # metrics are not on the public port: they have their own (--metrics-port, services.common.metrics)
+    assert _http(port, "/metrics")[0] == 404
+    from services.common import metrics
+
+    body = metrics.render().decode()
     assert "dspark_requests_total" in body and "dspark_inter_token_latency_seconds_bucket" in body
 
 

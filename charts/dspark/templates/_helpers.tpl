@@ -100,6 +100,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end -}}
 
+{{/* Name of a component's TLS Secret (tls.crt, tls.key, ca.crt): cert-manager's, or tls.existingSecrets. */}}
+{{- define "dspark.tlsSecretName" -}}
+{{- $given := index .root.Values.tls.existingSecrets .component -}}
+{{- if and $given (not .root.Values.tls.certManager.enabled) -}}
+{{- $given -}}
+{{- else -}}
+{{- printf "%s-tls" (include "dspark.componentName" .) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* True (non-empty) when an external engine (KEDA or HPA) or the built-in scaler owns the pool replica counts. */}}
 {{- define "dspark.poolsAutoscaled" -}}
 {{- if or .Values.autoscaling.keda.enabled .Values.autoscaling.hpa.enabled (and .Values.scheduler.enabled .Values.scheduler.autoscaler.enabled) -}}

@@ -3,11 +3,18 @@ Object bodies shared by the three dspark components. Each templates/<component>/
 includes one of these with what is particular to it; none of them reads component-specific keys.
 */}}
 
-{{/* A probe from its values: drop `enabled`, default a grpc probe's port to the component's gRPC port. */}}
+{{/* A probe from its values: drop `enabled`, default a grpc probe's port to the component's gRPC port. With
+tls.enabled a grpc probe (which kubelet runs in plaintext) becomes an exec probe of the same health service
+over mutual TLS (services/common/probe.py). */}}
 {{- define "dspark.probe" -}}
 {{- $probe := omit (deepCopy .probe) "enabled" -}}
 {{- if and (hasKey $probe "grpc") (not (hasKey $probe.grpc "port")) -}}
 {{- $_ := set $probe.grpc "port" (int .port) -}}
+{{- end -}}
+{{- if and .tls (hasKey $probe "grpc") -}}
+{{- $port := $probe.grpc.port -}}
+{{- $probe = omit $probe "grpc" -}}
+{{- $_ := set $probe "exec" (dict "command" (list "python3" "-m" "services.common.probe" "--port" (toString $port))) -}}
 {{- end -}}
 {{- toYaml $probe -}}
 {{- end -}}
@@ -132,6 +139,10 @@ spec:
             - name: DSPARK_POD_ADDRESS
               value: "$(POD_IP):{{ $ports.grpc }}"
             {{- include "dspark.redisEnv" $root | nindent 12 }}
+            {{- if $root.Values.tls.enabled }}
+            - name: DSPARK_TLS_DIR
+              value: {{ $root.Values.tls.mountPath | quote }}
+            {{- end }}
             - name: HOME
               value: /tmp
             - name: XDG_CACHE_HOME
@@ -155,7 +166,7 @@ spec:
           {{- $probe := index $c.probes $kind }}
           {{- if $probe.enabled }}
           {{ $kind }}Probe:
-            {{- include "dspark.probe" (dict "probe" $probe "port" $ports.grpc) | nindent 12 }}
+            {{- include "dspark.probe" (dict "probe" $probe "port" $ports.grpc "tls" $root.Values.tls.enabled) | nindent 12 }}
           {{- end }}
           {{- end }}
           {{- with $c.resources }}
@@ -170,6 +181,11 @@ spec:
             {{- if $root.Values.shm.enabled }}
             - name: shm
               mountPath: /dev/shm
+            {{- end }}
+            {{- if $root.Values.tls.enabled }}
+            - name: tls
+              mountPath: {{ $root.Values.tls.mountPath }}
+              readOnly: true
             {{- end }}
             {{- with .volumeMounts }}
             {{- toYaml . | nindent 12 }}
@@ -186,6 +202,12 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $root.Values.shm.sizeLimit }}
+        {{- end }}
+        {{- if $root.Values.tls.enabled }}
+        - name: tls
+          secret:
+            secretName: {{ include "dspark.tlsSecretName" $ctx }}
+            defaultMode: 0440
         {{- end }}
         {{- with .volumes }}
         {{- toYaml . | nindent 8 }}
@@ -277,7 +299,8 @@ spec:
 
 {{/*
 Ingress NetworkPolicy of one component.
-  ports    list of dicts {port, from}: `from` is a NetworkPolicyPeer list; empty means any source.
+  ports    list of dicts {port, from}: `from` is a NetworkPolicyPeer list; empty means the pods of this
+           release only.
 */}}
 {{- define "dspark.networkPolicy" -}}
 apiVersion: networking.k8s.io/v1
@@ -298,10 +321,14 @@ spec:
     - ports:
         - port: {{ .port }}
           protocol: TCP
-      {{- with .from }}
       from:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
+        {{- if .from }}
+        {{- toYaml .from | nindent 8 }}
+        {{- else }}
+        - podSelector:
+            matchLabels:
+              app.kubernetes.io/instance: {{ $.root.Release.Name }}
+        {{- end }}
     {{- end }}
 {{- end -}}
 
@@ -337,4 +364,41 @@ spec:
       path: /metrics
       interval: {{ $m.interval }}
       scrapeTimeout: {{ $m.scrapeTimeout }}
+{{- end -}}
+
+{{/* cert-manager Certificate of one component (tls.enabled and tls.certManager.enabled). Every one comes
+from the same CA issuer, so each Secret's ca.crt trusts the others. The common name is the caller identity
+verifiers and drafters key requests by; the DNS name `dspark` is the one the services check (they dial
+pods by address). */}}
+{{- define "dspark.certificate" -}}
+{{- $cm := .root.Values.tls.certManager -}}
+apiVersion: cert-manager.io/v1
+kind: Certificate
+metadata:
+  name: {{ include "dspark.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "dspark.componentLabels" . | nindent 4 }}
+spec:
+  secretName: {{ include "dspark.tlsSecretName" . }}
+  commonName: {{ printf "dspark-%s" .component }}
+  dnsNames:
+    - dspark
+    - {{ include "dspark.componentName" . }}
+    - {{ printf "%s.%s.svc" (include "dspark.componentName" .) .root.Release.Namespace }}
+  duration: {{ $cm.duration }}
+  renewBefore: {{ $cm.renewBefore }}
+  privateKey:
+    algorithm: ECDSA
+    size: 256
+    rotationPolicy: Always
+  usages:
+    - server auth
+    - client auth
+    - digital signature
+    - key encipherment
+  issuerRef:
+    name: {{ required "tls.certManager.issuerName is required when tls.certManager.enabled=true" $cm.issuerName }}
+    kind: {{ $cm.issuerKind }}
+    group: cert-manager.io
 {{- end -}}

@@ -1,0 +1,104 @@
+"""Who is calling: the caller identity that verifiers and drafters key request state by.
+
+A request id names a request only within its owner. A verifier or drafter therefore keys every request's
+state by (caller, request id), where the caller is the identity of the peer's TLS certificate when the
+server runs mutual TLS (a CA-signed identity nobody else can present) joined with the scheduler id the
+call carries in `x-dspark-caller` metadata (schedulers sharing one certificate stay apart). Without TLS
+only the carried id is left, which any network neighbour can claim: that is why the services warn
+loudly when they run without TLS. `OwnedTable` holds such keyed state with a per-caller quota and idle
+times for expiry. Knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dspark_core.errors import ResourceExhausted
+
+CALLER_METADATA = "x-dspark-caller"
+_SEP = "\x1f"  # cannot occur in a request id (services.common.limits) or a metadata value
+
+
+def caller_of(context) -> str:
+    """`<certificate identity>/<carried caller id>` of a grpc.aio call ("" parts when absent)."""
+    carried = ""
+    for k, v in context.invocation_metadata() or ():
+        if k == CALLER_METADATA and isinstance(v, str):
+            carried = v[:128]
+            break
+    cert = ""
+    try:
+        auth = context.auth_context() or {}
+    except Exception:  # noqa: BLE001 - no security context on an insecure port
+        auth = {}
+    for name in ("x509_common_name", "x509_subject_alternative_name"):
+        vals = auth.get(name)
+        if vals:
+            cert = vals[0].decode() if isinstance(vals[0], bytes) else str(vals[0])
+            break
+    return f"{cert}/{carried}"
+
+
+def key(caller: str, request_id: str) -> str:
+    return f"{caller}{_SEP}{request_id}"
+
+
+def split(k: str) -> tuple[str, str]:
+    caller, _, rid = k.rpartition(_SEP)
+    return caller, rid
+
+
+class OwnedTable:
+    """Keys (caller + request id) of held state with their last-use times, a total capacity, a per-caller
+    quota, and the ones to free: idle for `ttl_s`, or idle for `evict_idle_s` when room is needed."""
+
+    def __init__(self, capacity: int, per_caller: int | None = None, evict_idle_s: float = 10.0):
+        self.capacity = capacity
+        self.per_caller = per_caller or capacity
+        self.evict_idle_s = evict_idle_s
+        self.last_used: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.last_used)
+
+    def __contains__(self, k: str) -> bool:
+        return k in self.last_used
+
+    def touch(self, keys) -> None:
+        now = time.monotonic()
+        for k in keys:
+            self.last_used[k] = now
+
+    def forget(self, k: str) -> None:
+        self.last_used.pop(k, None)
+
+    def held_by(self, caller: str) -> int:
+        prefix = caller + _SEP
+        return sum(1 for k in self.last_used if k.startswith(prefix))
+
+    def idle(self, ttl_s: float) -> list[str]:
+        cutoff = time.monotonic() - ttl_s
+        return [k for k, t in self.last_used.items() if t < cutoff]
+
+    def make_room(self, new_keys: list[str], where: str) -> list[str]:
+        """Before admitting `new_keys`: check each caller's quota, and return the keys to evict (the least
+        recently used ones idle for evict_idle_s) so that the total fits; ResourceExhausted if it cannot."""
+        fresh = [k for k in dict.fromkeys(new_keys) if k not in self.last_used]
+        by_caller: dict[str, int] = {}
+        for k in fresh:
+            c = split(k)[0]
+            by_caller[c] = by_caller.get(c, 0) + 1
+        for c, n in by_caller.items() if self.per_caller < self.capacity else ():
+            held = self.held_by(c)
+            if held + n > self.per_caller:
+                raise ResourceExhausted(f"{where}: caller {c or 'anonymous'!r} holds {held} requests "
+                                        f"(max_per_caller {self.per_caller})")
+        over = len(self.last_used) + len(fresh) - self.capacity
+        if over <= 0:
+            return []
+        cutoff = time.monotonic() - self.evict_idle_s
+        old = sorted((t, k) for k, t in self.last_used.items() if t < cutoff and k not in new_keys)
+        if len(old) < over:
+            raise ResourceExhausted(f"{where} holds {len(self.last_used)} requests (max_active_requests {self.capacity}), "
+                                    f"none idle for {self.evict_idle_s:g}s")
+        return [k for _, k in old[:over]]
