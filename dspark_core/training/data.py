@@ -193,7 +193,7 @@ def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, tempera
     limit = max_prompt_tokens or (target.max_context - max_new_tokens - 1)
     # an offline batch job: every prompt may wait in the queue
     engine = Engine(target, None, EngineConfig(policy="ar", max_active=concurrency, max_waiting=max(1, len(prompts))))
-    pending: dict[str, tuple[list[int], str]] = {}
+    pending: dict[str, tuple[int, list[int], str]] = {}  # request id -> (prompt index, ids, domain)
     encoded = [(i, pr, encode_prompt(target.tokenizer, pr.text)) for i, pr in enumerate(prompts)]
     # Shortest first: a batched step attends over the longest active context, so mixing one long prompt into
     # a batch of short ones makes every one of them pay for it (and grows every KV slot to its length).
@@ -211,15 +211,13 @@ def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, tempera
             for i, smp in resumed.items():
                 fh.write(json.dumps({"index": i, "prompt_ids": smp.prompt_ids, "response_ids": smp.response_ids,
                                      "domain": smp.domain}) + "\n")
-    index_of: dict[str, int] = {}
     for i, pr, ids in order:
         if i in resumed:
             continue
         params = SamplingParams(temperature=temperature, seed=seed * 1_000_003 + index_base + index_stride * i,
                                 max_new_tokens=max_new_tokens,
                                 stop_token_ids=target.eos_token_ids)
-        rid = engine.add_request(ids, params)
-        pending[rid], index_of[rid] = (ids, pr.domain), i
+        pending[engine.add_request(ids, params)] = (i, ids, pr.domain)
     done: dict[int, Sample] = dict(resumed)
     bar = tqdm(total=len(order), initial=len(resumed), desc="distill", unit="seq", disable=not progress)
     log = journal.open("a", encoding="utf-8") if journal is not None else None
@@ -228,10 +226,10 @@ def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, tempera
             for ev in engine.step():
                 if ev.finished:
                     req = engine.pop(ev.request_id)
-                    ids, domain = pending[ev.request_id]
-                    smp = done[index_of[ev.request_id]] = Sample(ids, list(req.output_ids), domain)
+                    i, ids, domain = pending[ev.request_id]
+                    smp = done[i] = Sample(ids, list(req.output_ids), domain)
                     if log is not None:
-                        log.write(json.dumps({"index": index_of[ev.request_id], "prompt_ids": smp.prompt_ids,
+                        log.write(json.dumps({"index": i, "prompt_ids": smp.prompt_ids,
                                               "response_ids": smp.response_ids, "domain": domain}) + "\n")
                         log.flush()
                     bar.update(1)
