@@ -135,6 +135,11 @@ def add_parser(sub) -> None:
                    help="parameters to train: all (but the frozen embedding / LM head; default) or only the "
                         "confidence head (with --init-from: refit the confidence, drafts and tau unchanged); "
                         "confidence-sampled / confidence-greedy: only that output of it")
+    g.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="predict only the N most frequent label tokens of the training data (their target ids are "
+                        "saved with the drafter; 0 = the whole vocabulary, the default). The LM head and Markov "
+                        "output shrink to N rows, so steps and drafting get cheaper; the target mass outside "
+                        "them is counted exactly in the loss (a one-time log-partition pass over the cache)")
     g.add_argument("--greedy-confidence", action="store_true",
                    help="DSpark: also train a greedy confidence output (label: draft argmax == target argmax), "
                         "used for temperature-0 requests; with --init-from a checkpoint without one it starts "
@@ -200,7 +205,8 @@ def run(args) -> int:
     from dspark_core.training.data import load_prompts, split
     from dspark_core.training.distributed import init_distributed
     from dspark_core.training.prepare import DistillSettings, prepare_target_cache
-    from dspark_core.training.trainer import TrainConfig, Trainer, fresh_drafter, init_from_checkpoint
+    from dspark_core.training.trainer import (TrainConfig, Trainer, choose_draft_vocab, fresh_drafter,
+                                              init_from_checkpoint)
 
     cfg = TrainConfig(
         kind=args.kind, out_dir=args.out, steps=args.steps, global_batch=args.global_batch,
@@ -211,7 +217,8 @@ def run(args) -> int:
         ce_weight=args.ce_weight, tv_weight=args.tv_weight, confidence_weight=args.confidence_weight,
         position_decay=args.position_decay, step_decay=args.step_decay,
         confidence_support=args.confidence_support, confidence_temperature=args.confidence_temperature,
-        init_from=args.init_from, trainable=args.trainable, greedy_confidence=args.greedy_confidence, fsdp=args.fsdp, bf16=args.bf16)
+        init_from=args.init_from, trainable=args.trainable, greedy_confidence=args.greedy_confidence,
+        draft_vocab_size=args.draft_vocab, fsdp=args.fsdp, bf16=args.bf16)
     kind, _, index = args.device.partition(":")
     if not (args.device in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit())):
         raise InvalidArgument("--device", args.device, "must be auto, cpu, cuda or cuda:N")
@@ -254,7 +261,22 @@ def run(args) -> int:
                                        progress=not args.no_progress, log=say, responses=responses)
                   for s in settings]
         cache = caches[0] if len(caches) == 1 else ConcatCache(caches, cache_dir)
-        drafter = fresh_drafter(target, cfg)
+        draft_vocab = None
+        if cfg.draft_vocab_size:
+            if cfg.draft_vocab_size > target.vocab_size:
+                raise InvalidArgument("--draft-vocab", cfg.draft_vocab_size,
+                                      f"must be at most the target's vocabulary ({target.vocab_size})")
+            counts = cache.label_counts(target.vocab_size)
+            eos = target.tokenizer.eos_token_id
+            draft_vocab = choose_draft_vocab(counts, cfg.draft_vocab_size,
+                                             tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []))
+            covered = float(counts[draft_vocab].sum()) / max(1.0, float(counts.sum()))
+            say(f"draft vocabulary: {cfg.draft_vocab_size} of {target.vocab_size} ids, covering {covered:.1%} of "
+                f"the {int(counts.sum())} label tokens ({int((counts > 0).sum())} distinct)")
+            # every rank computes it for its own reading (cheap next to training; shards are written atomically)
+            cache.ensure_target_lse(target.model.get_output_embeddings().weight.detach().float().cpu(),
+                                    progress=not args.no_progress and ctx.is_main)
+        drafter = fresh_drafter(target, cfg, draft_vocab)
         if cfg.init_from:
             init_from_checkpoint(drafter, cfg.init_from)
             say(f"initialised from {cfg.init_from}")

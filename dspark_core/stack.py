@@ -113,15 +113,16 @@ def drafter_taps(drafter_path: str) -> tuple[int, ...]:
 
 
 def load_drafter_runtime(drafter_path: str, device: str = "auto", dtype: str = "auto", matmul_dtype: str = "auto",
-                         calibration_file: str | Path | None = None):
+                         calibration_file: str | Path | None = None, target=None):
     """A drafter checkpoint on `device` ("auto" resolved) in `dtype` ("auto": the device's default);
-    `calibration_file`: its STS temperatures from there (see `find_generated`) instead of beside it."""
+    `calibration_file`: its STS temperatures from there (see `find_generated`) instead of beside it; `target`:
+    the target directory (or its embedding tensors) a drafter that references them reads them from."""
     from .drafters import load_drafter
     from .target import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     return load_drafter(drafter_path, device=dev, dtype=resolve_dtype(dtype, dev), matmul_dtype=matmul_dtype,
-                        calibration_file=calibration_file)
+                        calibration_file=calibration_file, target=target)
 
 
 def load_target_runtime(target_dir: str, device: str = "auto", dtype: str = "auto",
@@ -148,7 +149,7 @@ def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", 
         from .drafters.config import load_config
 
         tr.check_shapes(load_config(drafter_path), drafter_path, target_dir)
-        drafter = load_drafter_runtime(drafter_path, device, dtype, drafter_matmul_dtype, calibration_file)
+        drafter = load_drafter_runtime(drafter_path, device, dtype, drafter_matmul_dtype, calibration_file, target_dir)
     target = load_target_runtime(target_dir, device, dtype, tuple(drafter.target_layer_ids) if drafter else (),
                                  weights)
     if drafter is not None and target.vocab_size != drafter.vocab_size:

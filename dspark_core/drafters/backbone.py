@@ -34,6 +34,13 @@ def _fill_room(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: tor
     return keys, values
 
 
+def register_draft_vocab(module: nn.Module, config: DrafterConfig) -> None:
+    """`module.draft_vocab_ids`: [V_d] int64 target ids of the logit columns (ascending; a weight of the
+    checkpoint), or None without a draft vocabulary."""
+    ids = torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None
+    module.register_buffer("draft_vocab_ids", ids, persistent=True)
+
+
 class ParallelBackbone(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -46,8 +53,9 @@ class ParallelBackbone(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        # [V, H]
-        self.lm_head = Linear(h, v, bias=False)
+        # [V, H] (or [V_d, H]: the target's rows of the draft vocabulary)
+        self.lm_head = Linear(h, config.output_size, bias=False)
+        register_draft_vocab(self, config)
         self._rope = RopeTable(config.head_dim, config.rope_theta)
 
     @property

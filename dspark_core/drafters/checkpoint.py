@@ -7,7 +7,14 @@ module names, so the mapping is the identity; it is checked strictly: a missing,
 mis-shaped tensor is a `ModelLoadError` naming the tensor (and both shapes). The model is built on the
 meta device and the file's tensors are assigned, so no memory is spent on a throw-away initialisation.
 
-Knows nothing about targets, requests or serving.
+Two extensions of ours (DeepSpec's own checkpoints have neither):
+- a draft vocabulary (`draft_vocab_size` in config.json, the int64 tensor `draft_vocab_ids`): the LM head and
+  Markov output cover only those target ids;
+- `"target_tensors": "referenced"`: the file stores only the drafter's own tensors; `embed_tokens.weight` and
+  `lm_head.weight` (the rows `draft_vocab_ids` of it) are the frozen target's, read from the target's
+  directory (`target=`) at load time. A shipped drafter of a 135M target is then ~12M parameters, not ~70M.
+
+Knows nothing about requests or serving.
 """
 
 from __future__ import annotations
@@ -15,11 +22,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE
-from dspark_core.drafters.config import DrafterConfig, load_config, save_config
+import dataclasses
+import json
+
+from dspark_core.drafters.config import TARGET_TENSORS_REFERENCED, DrafterConfig, load_config, save_config
 from dspark_core.drafters.dflash import DFlashDrafter
 from dspark_core.drafters.dspark import DSparkDrafter
 from dspark_core.drafters.eagle3 import Eagle3Drafter
@@ -71,13 +81,54 @@ def _shape(t) -> list[int]:
     return list(t.shape)
 
 
+REFERENCED = ("embed_tokens.weight", "lm_head.weight")
+_INTEGER_TENSORS = ("draft_vocab_ids",)
+
+
+def read_target_tensors(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding [V, H], output embedding [V, H]) of a Hugging Face causal-LM directory, read alone from
+    its safetensors (single file or index; tied embeddings give the same tensor twice)."""
+    root = Path(target_dir)
+    files = [root / "model.safetensors"]
+    index = root / "model.safetensors.index.json"
+    if not files[0].is_file() and index.is_file():
+        try:
+            files = sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index}: cannot read the weight map ({exc})") from exc
+    found: dict[str, torch.Tensor] = {}
+    want = {"model.embed_tokens.weight": "embed", "embed_tokens.weight": "embed", "lm_head.weight": "head"}
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"{root}: the drafter takes its embedding and LM head from the target, but "
+                                 f"{f.name} is missing there")
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    if key in want and want[key] not in found:
+                        found[want[key]] = sf.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"{f}: cannot read safetensors file ({exc})") from exc
+    if "embed" not in found:
+        raise ModelLoadError(f"{root}: no embed_tokens.weight in the target's weights")
+    return found["embed"], found.get("head", found["embed"])
+
+
+def _target_tensors(target) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if target is None or isinstance(target, tuple):
+        return target
+    return read_target_tensors(target)
+
+
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  support_size: int = DEFAULT_SUPPORT_SIZE, matmul_dtype: str = "auto",
-                 calibration_file: str | Path | None = None):
+                 calibration_file: str | Path | None = None, target=None):
     """Load a DeepSpec-format drafter folder (frozen, eval mode); raises ModelLoadError naming the path and the problem.
 
     `matmul_dtype` (one of MATMUL_DTYPES): see `resolve_matmul_dtype`; the weights themselves stay in `dtype`.
-    `calibration_file`: STS temperatures from there instead of `<path>/calibration.json` (see `load_config`)."""
+    `calibration_file`: STS temperatures from there instead of `<path>/calibration.json` (see `load_config`).
+    `target`: the target's directory, or its (input, output) embedding tensors: needed by a checkpoint that
+    references them (`target_tensors: referenced`), ignored otherwise."""
     path = Path(path)
     low = resolve_matmul_dtype(matmul_dtype, torch.device(device), dtype)
     config = load_config(path, calibration_file)
@@ -92,6 +143,22 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"{weights_path}: cannot read safetensors file ({exc})") from exc
     tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if config.target_tensors == TARGET_TENSORS_REFERENCED:
+        theirs = _target_tensors(target)
+        if theirs is None:
+            raise ModelLoadError(f"{path}: this drafter takes its embedding and LM head from its target; load it "
+                                 "beside the target (--target / the target directory)")
+        present = sorted(set(REFERENCED) & set(tensors))
+        if present:
+            raise ModelLoadError(f"{weights_path}: references the target's tensors but also stores {', '.join(present)}")
+        embed, head = theirs
+        if tuple(embed.shape) != (config.vocab_size, config.hidden_size) or embed.shape != head.shape:
+            raise ModelLoadError(f"{path}: the target's embedding is {_shape(embed)}, the drafter expects "
+                                 f"[{config.vocab_size}, {config.hidden_size}]")
+        ids = tensors.get("draft_vocab_ids")
+        tensors["embed_tokens.weight"] = embed.float()
+        tensors["lm_head.weight"] = (head if ids is None or not config.draft_vocab_size else
+                                     head[ids.long().clamp(0, config.vocab_size - 1)]).float()
     if config.tie_word_embeddings and "lm_head.weight" not in tensors and "embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
 
@@ -111,28 +178,46 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
         if tensors[name].shape != param.shape:
             raise ModelLoadError(f"{weights_path}: tensor '{name}' has shape {_shape(tensors[name])} in the file, "
                                  f"expected {_shape(param)} from config.json")
+        if name in _INTEGER_TENSORS:
+            ids = tensors[name]
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise ModelLoadError(f"{weights_path}: tensor '{name}' has dtype {ids.dtype}, expected integer")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size
+                                or bool((ids[1:] <= ids[:-1]).any())):
+                raise ModelLoadError(f"{weights_path}: tensor '{name}' must hold strictly increasing target ids "
+                                     f"in [0, {config.vocab_size})")
+            continue
         if not tensors[name].is_floating_point():
             raise ModelLoadError(f"{weights_path}: tensor '{name}' has dtype {tensors[name].dtype}, expected floating")
-    state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    state = {k: (v.to(device=device, dtype=torch.long) if k in _INTEGER_TENSORS else v.to(device=device, dtype=dtype))
+             for k, v in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
     set_matmul_dtype(model, low)
     return model.requires_grad_(False).eval()  # serving: frozen; a trainer re-enables what it trains
 
 
-def save_drafter(drafter, path: str | Path) -> None:
-    """Write `<path>/config.json` and `<path>/model.safetensors` with DeepSpec tensor names."""
+def save_drafter(drafter, path: str | Path, reference_target: bool = False) -> None:
+    """Write `<path>/config.json` and `<path>/model.safetensors` with DeepSpec tensor names.
+
+    `reference_target`: leave out the frozen copies of the target's embedding and LM head (`target_tensors:
+    referenced`; `load_drafter` then needs the target). The drafter's trainer keeps them equal to the target's."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {}
     seen: set[int] = set()
+    config = drafter.config
+    if reference_target:
+        config = dataclasses.replace(config, target_tensors=TARGET_TENSORS_REFERENCED)
     for name, t in drafter.state_dict().items():
+        if reference_target and name in REFERENCED:
+            continue
         t = t.detach().to("cpu").contiguous()
         if t.data_ptr() in seen:  # tied / shared storage: safetensors wants distinct buffers
             t = t.clone()
         seen.add(t.data_ptr())
         state[name] = t
     dtype_name = str(drafter.fc.weight.dtype).removeprefix("torch.")
-    save_config(drafter.config, path, dtype_name=dtype_name)
+    save_config(config, path, dtype_name=dtype_name)
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
 
 

@@ -45,8 +45,11 @@ _OWNED_KEYS = frozenset({
     "rms_norm_eps", "max_position_embeddings", "attention_bias", "hidden_act", "tie_word_embeddings",
     "block_size", "mask_token_id", "num_anchors", "markov_rank", "markov_head_type",
     "enable_confidence_head", "confidence_head_with_markov", "greedy_confidence_head", "ttt_length", "step_loss_decay",
-    "draft_num_hidden_layers", "calibration",
+    "draft_num_hidden_layers", "calibration", "draft_vocab_size", "target_tensors",
 })
+# `target_tensors` value of a checkpoint that stores only its own tensors and takes `embed_tokens.weight` and
+# `lm_head.weight` (its rows `draft_vocab_ids` with a draft vocabulary) from the target it runs beside
+TARGET_TENSORS_REFERENCED = "referenced"
 
 
 def _require_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
@@ -96,6 +99,11 @@ class DrafterConfig:
     # our extension (DeepSpec checkpoints lack it): a second confidence output, trained on the greedy label
     # 1[argmax draft == argmax target], used for temperature-0 requests (`confidence_head.greedy`)
     greedy_confidence_head: bool = False
+    # our extension: the drafter predicts only these many target ids (`draft_vocab_ids`, a sorted int64
+    # buffer in the weights): its LM head / Markov output rows are the target's rows of those ids; 0 = all
+    draft_vocab_size: int = 0
+    # our extension: TARGET_TENSORS_REFERENCED = embedding and LM head are not in the file but the target's
+    target_tensors: str | None = None
     # Eagle3
     ttt_length: int | None = None
     step_loss_decay: float | None = None
@@ -135,6 +143,10 @@ class DrafterConfig:
                 raise InvalidArgument(name, temps, f"must be a tuple of {self.gamma} temperatures (one per draft slot)")
             for t in temps:
                 _require_positive_float(name, t)
+        _require_int("draft_vocab_size", self.draft_vocab_size, low=0, high=self.vocab_size)
+        if self.target_tensors not in (None, TARGET_TENSORS_REFERENCED):
+            raise InvalidArgument("target_tensors", self.target_tensors,
+                                  f"must be {TARGET_TENSORS_REFERENCED!r} or absent (the file holds them)")
         if self.greedy_confidence_head and not (self.architecture == ARCH_DSPARK and self.enable_confidence_head):
             raise InvalidArgument("greedy_confidence_head", True, "needs a DSpark drafter with a confidence head")
 
@@ -200,6 +212,11 @@ class DrafterConfig:
     def sts_temperatures_greedy(self) -> tuple[float, ...]:
         """Temperatures of the greedy confidence output (all 1.0 until `dspark calibrate --temperature 0`)."""
         return self.calibration_temperatures_greedy or (1.0,) * self.gamma
+
+    @property
+    def output_size(self) -> int:
+        """Logits per slot: the draft vocabulary's size, or the whole vocabulary without one."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def confidence_input_size(self) -> int:
@@ -274,6 +291,8 @@ class DrafterConfig:
             ttt_length=d.get("ttt_length"),
             step_loss_decay=d.get("step_loss_decay"),
             draft_num_hidden_layers=d.get("draft_num_hidden_layers"),
+            draft_vocab_size=d.get("draft_vocab_size", 0),
+            target_tensors=d.get("target_tensors"),
             calibration_temperatures=None if calib is None else parse_calibration(calib),
             calibration_temperatures_greedy=None if calib is None else parse_greedy_calibration(calib),
             extra={k: v for k, v in d.items() if k not in _OWNED_KEYS},
@@ -313,6 +332,10 @@ class DrafterConfig:
         else:
             optional.update(ttt_length=self.ttt_length, step_loss_decay=self.step_loss_decay,
                             draft_num_hidden_layers=self.draft_num_hidden_layers)
+        if self.draft_vocab_size:
+            optional["draft_vocab_size"] = self.draft_vocab_size
+        if self.target_tensors:
+            optional["target_tensors"] = self.target_tensors
         if self.calibration_temperatures is not None:
             optional["calibration"] = {"method": "sts", "temperatures": list(self.calibration_temperatures)}
             if self.calibration_temperatures_greedy is not None:

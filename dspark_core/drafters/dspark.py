@@ -51,7 +51,7 @@ class BlockDraft:
 
     # [B, gamma, H] backbone output after the final norm (h_k)
     hidden: torch.Tensor
-    # [B, gamma, V] U_k
+    # [B, gamma, V] U_k (V_d columns with a draft vocabulary: column i is target id draft_vocab_ids[i])
     base_logits: torch.Tensor
     # [B, gamma, V] U_k + B_k (== U_k without a Markov head)
     logits: torch.Tensor
@@ -82,7 +82,7 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         self.markov_head = build_markov_head(config)
         self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
         self.name = name or config.kind
-        self.support_size = min(support_size, config.vocab_size)
+        self.support_size = min(support_size, config.output_size)
 
     # ---- Drafter protocol -----------------------------------------------------------------------
 
@@ -183,7 +183,7 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         state = markov.start(hidden[:, 0]) if markov is not None else None
         prev = anchors  # [B]
         logits_out, tokens, prevs, prev_embs, sup_ids, sup_probs = [], [], [], [], [], []
-        choose = TokenChooser(temperatures, self.support_size, base_logits.shape[-1])
+        choose = TokenChooser(temperatures, self.support_size, base_logits.shape[-1], self.draft_vocab_ids)
         for k in range(gamma):
             if teacher_prev is not None:
                 prev = teacher_prev[:, k]
@@ -230,7 +230,10 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         conf = greedy_conf = None
         if conf_head is not None:
             conf, greedy_conf = conf_head.both(hidden, prev_embs)
-        return BlockDraft(hidden=hidden, base_logits=base_logits, logits=logits, tokens=logits.argmax(-1),
+        tokens = logits.argmax(-1)
+        if self.draft_vocab_ids is not None:
+            tokens = self.draft_vocab_ids[tokens]
+        return BlockDraft(hidden=hidden, base_logits=base_logits, logits=logits, tokens=tokens,
                           prev_tokens=teacher_prev, confidence_logits=conf, support_ids=None, support_probs=None,
                           greedy_confidence_logits=greedy_conf)
 

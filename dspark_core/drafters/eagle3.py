@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dspark_core.drafters.backbone import register_draft_vocab
 from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_uniforms,
                                       validate_items)
 from dspark_core.drafters.config import ARCH_EAGLE3, DrafterConfig
@@ -99,11 +100,12 @@ class Eagle3Drafter(LocalStates, nn.Module):
         self.fc = Linear(config.feature_size, h, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(config)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        # [V, H]
-        self.lm_head = Linear(h, v, bias=False)
+        # [V, H] (or [V_d, H]: the target's rows of the draft vocabulary)
+        self.lm_head = Linear(h, config.output_size, bias=False)
+        register_draft_vocab(self, config)
         self._rope = RopeTable(config.head_dim, config.rope_theta)
         self.name = name or "eagle3"
-        self.support_size = min(support_size, config.vocab_size)
+        self.support_size = min(support_size, config.output_size)
 
     @property
     def vocab_size(self) -> int:
@@ -193,7 +195,7 @@ class Eagle3Drafter(LocalStates, nn.Module):
         ctx_valid = valid if valid is not None else torch.ones(b, past_k.shape[2], dtype=torch.bool, device=dev)
         h = torch.stack([s.last_hidden for s in states])  # [B, H]
         hiddens, logits_out, tokens, sup_ids, sup_probs = [], [], [], [], []
-        choose = TokenChooser(temperatures, self.support_size, self.vocab_size)
+        choose = TokenChooser(temperatures, self.support_size, self.config.output_size, self.draft_vocab_ids)
         for k in range(gamma):
             if k > 0:
                 fed = teacher_tokens[:, k - 1] if teacher_tokens is not None else tokens[-1]  # [B]

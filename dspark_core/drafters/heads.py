@@ -27,10 +27,10 @@ class VanillaMarkovHead(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         r, v = config.markov_rank, config.vocab_size
-        # [V, r]
+        # [V, r]: indexed by the previous token (any target id)
         self.markov_w1 = nn.Embedding(v, r)
-        # [V, r]
-        self.markov_w2 = Linear(r, v, bias=False)
+        # [V, r] (or [V_d, r] with a draft vocabulary: a bias on the drafter's own logit columns)
+        self.markov_w2 = Linear(r, config.output_size, bias=False)
 
     def start(self, h: torch.Tensor) -> object:
         """Recurrent state before slot 0 for h [B, H] (None: the vanilla head has none)."""

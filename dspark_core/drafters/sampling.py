@@ -6,6 +6,9 @@ caller drew from the request's own generator. When k covers the vocabulary the s
 order (no top-k sort), otherwise the top-k in descending probability. The support ids and their probabilities are returned
 because lossless verification needs q on exactly the support the token came from. T = 0 is argmax.
 
+With a draft vocabulary (`id_map` [V_d]: the target id of each logit column, ascending), logits are over those
+columns and everything returned (tokens, support ids) is mapped back to target ids.
+
 Knows nothing about models or requests: rows in, tokens out.
 """
 
@@ -30,9 +33,12 @@ class TokenChooser:
     """`choose_tokens` for one drafting round: what depends only on the batch (which rows sample, their
     temperatures, the support ids) is worked out once, so each of the gamma slots runs only its own ops."""
 
-    def __init__(self, temperatures: torch.Tensor, support_size: int, vocab: int):
-        """temperatures [B] (0 = greedy); the vocabulary size of the logits to come."""
+    def __init__(self, temperatures: torch.Tensor, support_size: int, vocab: int,
+                 id_map: torch.Tensor | None = None):
+        """temperatures [B] (0 = greedy); the vocabulary size of the logits to come; `id_map` [vocab] the
+        target id of each logit column (a draft vocabulary; None = column i is id i)."""
         self.k = min(support_size, vocab)
+        self.id_map = id_map
         sampled = temperatures > 0  # [B]
         self.sampled_rows = sampled
         self.any_greedy = not bool(sampled.all())
@@ -40,6 +46,9 @@ class TokenChooser:
         # full-vocabulary support in id order (an expanded view)
         self.ids = torch.arange(vocab, device=temperatures.device).expand(temperatures.shape[0], vocab) \
             if self.k == vocab else None
+        # the same support in target ids (ascending, since the map is)
+        self.target_ids = self.ids if self.ids is None or id_map is None else \
+            id_map.expand(temperatures.shape[0], vocab)
         # CPU cumsum is a running sum, so the inverse-CDF search below can only land on ids with mass; other
         # devices (parallel scans) get the explicit last-id-with-mass guard
         self.guard = temperatures.device.type != "cpu"
@@ -47,13 +56,16 @@ class TokenChooser:
     def stacked_support(self, supports: list[torch.Tensor]) -> torch.Tensor:
         """The gamma slots' supports [B, k] as one [B, gamma, k] (a view, not a copy, for the full vocabulary)."""
         if self.ids is not None:
-            return self.ids[:, None, :].expand(-1, len(supports), -1)
+            return self.target_ids[:, None, :].expand(-1, len(supports), -1)
         return torch.stack(supports, dim=1)
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.id_map is None else self.id_map[ids]
 
     def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> Choice:
         """logits [B, V]; uniforms [B] in [0, 1) (None: every row greedy)."""
         if uniforms is None:
-            return Choice(logits.argmax(dim=-1), None, None)
+            return Choice(self._to_target(logits.argmax(dim=-1)), None, None)
         greedy = logits.argmax(dim=-1) if self.any_greedy else None  # [B]
         if self.ids is not None:
             # The whole vocabulary, in id order: no sort, so rows that differ only by float rounding (the same
@@ -80,10 +92,13 @@ class TokenChooser:
             tokens = support.gather(1, torch.minimum(idx, last_with_mass)).squeeze(1)  # [B]
         if greedy is not None:
             tokens = torch.where(self.sampled_rows, tokens, greedy)
+        if self.id_map is not None:
+            tokens = self.id_map[tokens]
+            support = self.target_ids if self.ids is not None else self.id_map[support]
         return Choice(tokens, support, probs)
 
 
 def choose_tokens(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor | None,
-                  support_size: int) -> Choice:
+                  support_size: int, id_map: torch.Tensor | None = None) -> Choice:
     """logits [B, V]; temperatures [B] (0 = greedy); uniforms [B] in [0, 1) or None if all greedy."""
-    return TokenChooser(temperatures, support_size, logits.shape[-1])(logits, uniforms)
+    return TokenChooser(temperatures, support_size, logits.shape[-1], id_map)(logits, uniforms)

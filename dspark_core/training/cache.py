@@ -14,10 +14,12 @@ the combined `manifest.json`.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -153,8 +155,30 @@ def merge_manifests(out_dir: str | Path, world_size: int) -> CacheManifest:
     return merged
 
 
+LSE_SUFFIX = ".lse.safetensors"
+
+
+def _head_checksum(lm_head_weight: torch.Tensor) -> str:
+    w = lm_head_weight.detach().float()
+    return f"{tuple(w.shape)}:{float(w.sum()):.6e}:{float(w.abs().sum()):.6e}"
+
+
+def label_positions(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Flat positions q whose final hidden state predicts a supervised token (loss_mask[q + 1], same sequence)."""
+    nxt = torch.zeros_like(loss_mask, dtype=torch.bool)
+    nxt[:-1] = loss_mask[1:].bool()
+    nxt[(offsets[1:] - 1).clamp_min(0)] = False  # a sequence's last position predicts nothing of its own
+    return nxt.nonzero().flatten()
+
+
 class TargetCache:
-    """Read access to a cache: `cache[i]` is one sequence's tensors, in global sample order."""
+    """Read access to a cache: `cache[i]` is one sequence's tensors, in global sample order.
+
+    With a draft vocabulary the trainer also needs the target's log-partition `logsumexp(lm_head @ h)` over the
+    whole vocabulary at every label position (the drafter's loss sees only its columns, so the target's
+    probabilities there are `exp(logit - lse)`, and the mass outside them is `1 - sum`): `ensure_target_lse`
+    computes it once per shard into `<shard>.lse.safetensors`, and items then carry `target_lse` [T].
+"""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -183,18 +207,71 @@ class TargetCache:
 
     def _shard(self, si: int) -> dict[str, torch.Tensor]:
         if si not in self._open:
-            with safe_open(str(self.path / self.manifest.shards[si]["file"]), framework="pt") as f:
+            name = self.manifest.shards[si]["file"]
+            with safe_open(str(self.path / name), framework="pt") as f:
                 self._open[si] = {k: f.get_tensor(k) for k in f.keys()}
+            lse = self.path / (name + LSE_SUFFIX)
+            if getattr(self, "_lse_checksum", None) and lse.is_file():
+                with safe_open(str(lse), framework="pt") as f:
+                    if (f.metadata() or {}).get("lm_head") == self._lse_checksum:
+                        self._open[si]["target_lse"] = f.get_tensor("lse")
             if len(self._open) > 8:  # bounded memory: keep a few shards
                 self._open.pop(next(iter(self._open)))
         return self._open[si]
+
+    def ensure_target_lse(self, lm_head_weight: torch.Tensor, progress: bool = True, chunk: int = 2048) -> None:
+        """Compute (once; reused while the LM head is the same) the target's full-vocabulary log-partition at
+        every label position of every shard; from then on items carry `target_lse`."""
+        checksum = _head_checksum(lm_head_weight)
+        w = lm_head_weight.detach().float()
+        todo = []
+        for si, shard in enumerate(self.manifest.shards):
+            lse = self.path / (shard["file"] + LSE_SUFFIX)
+            ok = False
+            if lse.is_file():
+                with safe_open(str(lse), framework="pt") as f:
+                    ok = (f.metadata() or {}).get("lm_head") == checksum
+            if not ok:
+                todo.append(si)
+        total = sum(self.manifest.shards[si]["num_tokens"] for si in todo)
+        bar = tqdm(total=total, desc="target log-partition", unit="tok", disable=not progress or not todo)
+        for si in todo:
+            name = self.manifest.shards[si]["file"]
+            with safe_open(str(self.path / name), framework="pt") as f:
+                ids, mask, offsets = f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("offsets")
+                hidden = f.get_tensor("final_hidden")
+            out = torch.zeros(ids.shape[0], dtype=torch.float32)
+            pos = label_positions(ids, mask, offsets)
+            with torch.no_grad():
+                for lo in range(0, pos.numel(), chunk):
+                    p = pos[lo: lo + chunk]
+                    out[p] = torch.logsumexp(F.linear(hidden[p].float(), w), dim=-1)
+            tmp = self.path / (name + LSE_SUFFIX + f".tmp{os.getpid()}")
+            save_file({"lse": out}, str(tmp), metadata={"lm_head": checksum})
+            os.replace(tmp, self.path / (name + LSE_SUFFIX))
+            bar.update(self.manifest.shards[si]["num_tokens"])
+        bar.close()
+        self._lse_checksum = checksum
+        self._open.clear()
+
+    def label_counts(self, vocab_size: int) -> torch.Tensor:
+        """[vocab_size] how often each token is a supervised label (loss_mask) in the cache."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for shard in self.manifest.shards:
+            with safe_open(str(self.path / shard["file"]), framework="pt") as f:
+                ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+            counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+        return counts
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         si, row = self._index[i]
         t = self._shard(si)
         lo, hi = int(t["offsets"][row]), int(t["offsets"][row + 1])
-        return {"input_ids": t["input_ids"][lo:hi].long(), "loss_mask": t["loss_mask"][lo:hi].bool(),
+        item = {"input_ids": t["input_ids"][lo:hi].long(), "loss_mask": t["loss_mask"][lo:hi].bool(),
                 "features": t["features"][lo:hi], "final_hidden": t["final_hidden"][lo:hi]}
+        if "target_lse" in t:
+            item["target_lse"] = t["target_lse"][lo:hi]
+        return item
 
 
 class ConcatCache:
@@ -227,6 +304,13 @@ class ConcatCache:
     def check_compatible(self, tap_layer_ids, hidden_size: int, vocab_size: int | None = None) -> None:
         for p in self.parts:
             p.check_compatible(tap_layer_ids, hidden_size, vocab_size)
+
+    def ensure_target_lse(self, lm_head_weight: torch.Tensor, progress: bool = True) -> None:
+        for p in self.parts:
+            p.ensure_target_lse(lm_head_weight, progress)
+
+    def label_counts(self, vocab_size: int) -> torch.Tensor:
+        return sum(p.label_counts(vocab_size) for p in self.parts)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self):

@@ -19,7 +19,11 @@ What lives here:
 - Eagle3 training-time-test targets and soft cross-entropy per TTT step s, weighted 0.8^s.
 
 Target distributions come from the cached final hidden states through the frozen LM head, at T = 1, only
-at supervised positions (no logits are stored anywhere).
+at supervised positions (no logits are stored anywhere). With a draft vocabulary (the drafter's logits cover
+only `draft_vocab_ids`), the LM head passed in is the drafter's (those rows of the target's), the target's
+probabilities on those columns are `exp(logit - lse)` with the cached full-vocabulary log-partition `lse`, and
+the target mass outside them (`1 - sum`) counts in TV and acceptance exactly, since the drafter puts none
+there; CE skips labels outside the draft vocabulary.
 
 Every loss returns `LossSums`: per term a numerator vector and a denominator vector (denominators
 depend only on the data, never on the model). The trainer sums both over micro-batches and ranks and
@@ -184,26 +188,49 @@ def target_logits(final_hidden: torch.Tensor, positions: torch.Tensor, lm_head_w
         return F.linear(h.to(lm_head_weight.dtype), lm_head_weight).float()
 
 
+def target_probs(t_logits: torch.Tensor, positions: torch.Tensor, target_lse: torch.Tensor | None) -> torch.Tensor:
+    """[N, V'] target probabilities on the logit columns: a softmax (whole vocabulary), or, with the cached
+    full-vocabulary log-partition `target_lse` [B, S] (a draft vocabulary), `exp(logit - lse)` (rows sum to
+    the target's mass inside the draft vocabulary, <= 1)."""
+    if target_lse is None:
+        return torch.softmax(t_logits, -1)
+    lse = target_lse[positions[:, 0], positions[:, 1]].float()[:, None]
+    return torch.exp(t_logits - lse).clamp_max(1.0)
+
+
+def label_columns(labels: torch.Tensor, draft_vocab_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target ids [N] -> (their logit columns [N], in the draft vocabulary [N] bool); identity without one."""
+    if draft_vocab_ids is None:
+        return labels, torch.ones_like(labels, dtype=torch.bool)
+    col = torch.searchsorted(draft_vocab_ids, labels).clamp_max(draft_vocab_ids.numel() - 1)
+    inside = draft_vocab_ids[col] == labels
+    return torch.where(inside, col, torch.zeros_like(col)), inside
+
+
 def acceptance_probability(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,
-                           support: int | None = None) -> torch.Tensor:
+                           support: int | None = None, p_target: torch.Tensor | None = None) -> torch.Tensor:
     """[N, V] x [N, V] -> [N]: `1 - 0.5 ||q - p||_1` = `sum_x min(p(x), q(x))`, the probability that
     speculative sampling accepts a token drawn from q, where q = softmax(draft / T) truncated to its top
     `support` entries and renormalised (exactly what `drafters.sampling.choose_tokens` samples from; None =
-    full vocabulary) and p = softmax(target / T). No gradient."""
+    full vocabulary) and p = softmax(target / T), or `p_target` as given (T = 1 probabilities on the columns,
+    e.g. `target_probs` of a draft vocabulary: mass outside them never meets q). No gradient."""
     with torch.no_grad():
-        d, t = draft_logits.float() / temperature, target_logits.float() / temperature
-        p = torch.softmax(t, dim=-1)
+        d = draft_logits.float() / temperature
+        p = torch.softmax(target_logits.float() / temperature, dim=-1) if p_target is None else p_target
         if support is None or support >= d.shape[-1]:
             q = torch.softmax(d, dim=-1)
         else:
             vals, ids = d.topk(support, dim=-1)
             q = torch.zeros_like(d).scatter_(-1, ids, torch.softmax(vals, dim=-1))
-        return (1.0 - 0.5 * (q - p).abs().sum(dim=-1)).clamp(0.0, 1.0)
+        outside = (1.0 - p.sum(dim=-1)).clamp_min(0.0)  # target mass q never covers (0 on a full vocabulary)
+        return (1.0 - 0.5 * ((q - p).abs().sum(dim=-1) + outside)).clamp(0.0, 1.0)
 
 
 def dspark_loss_sums(logits: torch.Tensor, confidence_logits: torch.Tensor | None, targets: BlockTargets,
                      final_hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor,
-                     config: LossConfig, greedy_confidence_logits: torch.Tensor | None = None) -> LossSums:
+                     config: LossConfig, greedy_confidence_logits: torch.Tensor | None = None,
+                     draft_vocab_ids: torch.Tensor | None = None,
+                     target_lse: torch.Tensor | None = None) -> LossSums:
     """DSpark / DFlash loss sums for one micro-batch.
 
     logits [B, A, gamma, V] corrected draft logits U + B (teacher forced); confidence_logits [B, A, gamma]
@@ -212,7 +239,12 @@ def dspark_loss_sums(logits: torch.Tensor, confidence_logits: torch.Tensor | Non
     The soft label is `acceptance_probability` with the config's confidence support and temperature.
     With `greedy_confidence_logits` [B, A, gamma], also `gconf`: BCE against the greedy acceptance
     1[argmax draft == argmax target] (what verification accepts at temperature 0), weight as `conf`.
+    With a draft vocabulary (`draft_vocab_ids` [V_d], logits over those columns), `target_lse` [B, S] is
+    required (see the module docstring); the target's argmax counts as inside the draft vocabulary only when
+    its best column there holds more than the mass outside (a sufficient condition: else a miss).
     """
+    if draft_vocab_ids is not None and target_lse is None:
+        raise InvalidArgument("target_lse", None, "is required with a draft vocabulary (TargetCache.ensure_target_lse)")
     gamma = logits.shape[2]
     sel = targets.supervised  # [B, A, gamma]
     idx = sel.nonzero()  # [N, 3] (b, a, j)
@@ -226,27 +258,39 @@ def dspark_loss_sums(logits: torch.Tensor, confidence_logits: torch.Tensor | Non
         sums.den[name] = den
         sums.coef[name] = torch.tensor([float(coef)], device=den.device)
 
-    add("ce", F.cross_entropy(draft, targets.labels[sel], reduction="none"), config.ce_weight)
+    cols, inside = label_columns(targets.labels[sel], draft_vocab_ids)
+    add("ce", F.cross_entropy(draft, cols, reduction="none") * inside, config.ce_weight)
     need_target = config.tv_weight > 0 or confidence_logits is not None or greedy_confidence_logits is not None
     if need_target:
         pos = block_target_positions(anchors, gamma)[sel]  # [N]
-        t_logits = target_logits(final_hidden, torch.stack((idx[:, 0], pos), 1), lm_head_weight)
-        p_target = torch.softmax(t_logits, -1)
+        where = torch.stack((idx[:, 0], pos), 1)
+        t_logits = target_logits(final_hidden, where, lm_head_weight)
+        p_target = target_probs(t_logits, where, target_lse)
+        outside = None if target_lse is None else (1.0 - p_target.sum(-1)).clamp_min(0.0)  # [N]
         l1 = (torch.softmax(draft, dim=-1) - p_target).abs().sum(dim=-1)  # [N], in [0, 2]
+        if outside is not None:
+            l1 = l1 + outside
         if config.tv_weight > 0:
             add("tv", l1, config.tv_weight)
         if config.confidence_support is None and config.confidence_temperature == 1.0:
             soft_label = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # c* (acceptance probability)
         else:  # c* of the distribution inference samples from (top-k support, temperature T)
+            if target_lse is not None and config.confidence_temperature != 1.0:
+                raise InvalidArgument("confidence_temperature", config.confidence_temperature,
+                                      "must be 1.0 with a draft vocabulary (the cached log-partition is at T = 1)")
             soft_label = acceptance_probability(draft.detach(), t_logits, config.confidence_temperature,
-                                                config.confidence_support)
+                                                config.confidence_support,
+                                                p_target=None if target_lse is None else p_target)
         add("accept", soft_label, 0.0)
         if confidence_logits is not None:
             conf = confidence_logits[sel].float()
             add("conf", F.binary_cross_entropy_with_logits(conf, soft_label, reduction="none"),
                 config.confidence_weight)
         if greedy_confidence_logits is not None:
-            hit = (draft.detach().argmax(-1) == t_logits.argmax(-1)).float()
+            hit = draft.detach().argmax(-1) == t_logits.argmax(-1)
+            if outside is not None:  # the target's argmax surely lies in the draft vocabulary
+                hit = hit & (p_target.max(-1).values > outside)
+            hit = hit.float()
             add("gconf", F.binary_cross_entropy_with_logits(greedy_confidence_logits[sel].float(), hit,
                                                             reduction="none"), config.confidence_weight)
     return sums
@@ -303,11 +347,14 @@ def ttt_denominators(targets: TTTTargets) -> dict[str, torch.Tensor]:
 
 
 def eagle3_loss_sums(step_logits: list[torch.Tensor], targets: TTTTargets, final_hidden: torch.Tensor,
-                     lm_head_weight: torch.Tensor, config: LossConfig) -> LossSums:
+                     lm_head_weight: torch.Tensor, config: LossConfig,
+                     target_lse: torch.Tensor | None = None) -> LossSums:
     """Soft cross-entropy of each TTT step to the target distribution, step weights step_decay ** s.
 
     step_logits: gamma tensors [B, S - 1, V] (step s, row p predicts x[p + 2 + s], whose target
-    distribution is the target's output at position p + 1 + s).
+    distribution is the target's output at position p + 1 + s). With a draft vocabulary, `target_lse`
+    [B, S] gives the target's probabilities on the drafter's columns (soft CE over them; the mass outside
+    counts in `accept`).
     """
     gamma = len(step_logits)
     nums, accept = [], []
@@ -319,10 +366,12 @@ def eagle3_loss_sums(step_logits: list[torch.Tensor], targets: TTTTargets, final
             accept.append(logits.new_zeros(()).detach())
             continue
         pos = idx[:, 1] + 1 + k
-        p_target = torch.softmax(target_logits(final_hidden, torch.stack((idx[:, 0], pos), 1), lm_head_weight), -1)
+        where = torch.stack((idx[:, 0], pos), 1)
+        p_target = target_probs(target_logits(final_hidden, where, lm_head_weight), where, target_lse)
+        outside = (1.0 - p_target.sum(-1)).clamp_min(0.0) if target_lse is not None else 0.0
         logq = torch.log_softmax(logits[sel].float(), dim=-1)  # [N, V]
         nums.append(-(p_target * logq).sum(dim=-1).sum())
-        accept.append((1 - 0.5 * (logq.detach().exp() - p_target).abs().sum(-1)).clamp(0, 1).sum())
+        accept.append((1 - 0.5 * ((logq.detach().exp() - p_target).abs().sum(-1) + outside)).clamp(0, 1).sum())
     den = ttt_denominators(targets)["soft_ce"].detach()
     coef = config.step_decay ** torch.arange(gamma, dtype=torch.float32, device=den.device)
     return LossSums(num={"soft_ce": torch.stack(nums), "accept": torch.stack(accept)},

@@ -100,6 +100,9 @@ class TrainConfig:
     trainable: str = "all"  # a TRAINABLE key: all, or (part of) the confidence head (needs a DSpark kind)
     # DSpark: add the greedy confidence output (label 1[argmax draft == argmax target]) beside the T-label head
     greedy_confidence: bool = False
+    # the drafter predicts only the N most frequent label tokens of the training data (0 = the whole
+    # vocabulary): its LM head / Markov output shrink to N rows, training and drafting get that much cheaper
+    draft_vocab_size: int = 0
     fsdp: bool = False
     bf16: bool = False  # bfloat16 autocast (CUDA, or a CPU with native bf16 matmuls)
 
@@ -118,6 +121,7 @@ class TrainConfig:
         _int("checkpoint_every", self.checkpoint_every, 0)
         _int("keep_checkpoints", self.keep_checkpoints, 1)
         _int("max_length", self.max_length, 2)
+        _int("draft_vocab_size", self.draft_vocab_size, 0)
         _int("block_size", self.block_size, 1)
         if self.trainable not in TRAINABLE:
             raise InvalidArgument("trainable", self.trainable, f"must be one of {list(TRAINABLE)}")
@@ -186,6 +190,19 @@ def mask_token_for(tokenizer, vocab_size: int) -> int:
     return vocab_size - 1
 
 
+def choose_draft_vocab(label_counts: torch.Tensor, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The draft vocabulary: `always` (e.g. the EOS ids) plus the most frequent labels (ties: lower id) up to
+    `size` ids, ascending. label_counts [V]."""
+    v = label_counts.numel()
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= v:
+        raise InvalidArgument("draft_vocab_size", size, f"must be an integer in [1, {v}]")
+    keep = sorted({int(i) for i in always if 0 <= int(i) < v})[:size]
+    score = label_counts.double().clone()
+    score[keep] = float("inf")
+    order = torch.argsort(-score, stable=True)  # by count descending, ties by id ascending
+    return order[:size].sort().values
+
+
 def drafter_config_for_target(target, config: TrainConfig) -> DrafterConfig:
     """A DrafterConfig for `config.kind` on this target (TargetRuntime)."""
     hf = target.hf_config.get_text_config() if hasattr(target.hf_config, "get_text_config") else target.hf_config
@@ -199,6 +216,7 @@ def drafter_config_for_target(target, config: TrainConfig) -> DrafterConfig:
         head_dim=getattr(hf, "head_dim", None) or h // heads, target_layer_ids=tuple(taps),
         num_target_layers=target.num_layers, rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
         rope_theta=float(theta), max_position_embeddings=target.max_context,
+        draft_vocab_size=config.draft_vocab_size,
         extra={"model_type": "qwen3", "target_model_name_or_path": str(target.config.model_dir),
                RECORD_KEY: target_record(target, taps)},
     )
@@ -227,16 +245,25 @@ def set_trainable(drafter: nn.Module, which: str = "all") -> nn.Module:
     return drafter.train()
 
 
-def fresh_drafter(target, config: TrainConfig) -> nn.Module:
-    """Seeded initialisation; embedding / LM head copied from the target (frozen); Markov W2 = 0 so training
-    starts from the plain backbone logits U."""
+def fresh_drafter(target, config: TrainConfig, draft_vocab: torch.Tensor | None = None) -> nn.Module:
+    """Seeded initialisation; embedding / LM head copied from the target (frozen; with a draft vocabulary,
+    `draft_vocab` [V_d] ascending target ids, the LM head is those rows); Markov W2 = 0 so training starts from
+    the plain backbone logits U."""
+    if bool(config.draft_vocab_size) != (draft_vocab is not None) or \
+            (draft_vocab is not None and draft_vocab.numel() != config.draft_vocab_size):
+        raise InvalidArgument("draft_vocab", None if draft_vocab is None else draft_vocab.numel(),
+                              f"must hold draft_vocab_size ({config.draft_vocab_size}) ids")
     dcfg = drafter_config_for_target(target, config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         drafter = build_drafter(dcfg)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight.float().cpu())
-        drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight.float().cpu())
+        head = target.model.get_output_embeddings().weight.float().cpu()
+        if draft_vocab is not None:
+            drafter.draft_vocab_ids.copy_(draft_vocab)
+            head = head[draft_vocab]
+        drafter.lm_head.weight.copy_(head)
         head = getattr(drafter, "markov_head", None)
         if head is not None:
             head.markov_w2.weight.zero_()
@@ -254,8 +281,18 @@ def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:
     does and training grows the new layers from there. The embedding and LM head keep the target's values (frozen
     copies; a bf16-shipped checkpoint holds rounded ones). Raises InvalidArgument naming what differs.
     """
-    src = load_drafter(path, device="cpu", dtype=torch.float32)
+    reference = None
+    if load_config(Path(path)).target_tensors:  # a shipped drafter: take the target's tensors from this run's
+        emb = drafter.embed_tokens.weight.detach().float()
+        head = torch.zeros_like(emb)
+        ids = getattr(drafter, "draft_vocab_ids", None)
+        head[ids if ids is not None else slice(None)] = drafter.lm_head.weight.detach().float()
+        reference = (emb, head)
+    src = load_drafter(path, device="cpu", dtype=torch.float32, target=reference)
     a, b = src.config, drafter.config
+    if a.draft_vocab_size != b.draft_vocab_size or (a.draft_vocab_size and not torch.equal(
+            src.draft_vocab_ids, drafter.draft_vocab_ids)):
+        raise InvalidArgument("init_from", str(path), "has another draft vocabulary than this run")
     for name in ("architecture", "kind", "target_layer_ids", "mask_token_id", "markov_head_type",
                  "enable_confidence_head"):
         if getattr(a, name, None) != getattr(b, name, None):
@@ -320,6 +357,8 @@ class MicroBatch:
     block: L.BlockTargets | None = None
     # Eagle3
     ttt: L.TTTTargets | None = None
+    # [B, S] float32: the target's full-vocabulary log-partition at label positions (a draft vocabulary)
+    target_lse: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> MicroBatch:
         def mv(x):
@@ -347,10 +386,13 @@ def collate(rows: list[dict], keys: list[tuple[int, int]], config: TrainConfig, 
     mask = torch.zeros(b, s, dtype=torch.bool)
     feats = rows[0]["features"].new_zeros(b, s, rows[0]["features"].shape[1])
     fin = rows[0]["final_hidden"].new_zeros(b, s, rows[0]["final_hidden"].shape[1])
+    lse = torch.zeros(b, s, dtype=torch.float32) if all("target_lse" in r for r in rows) else None
     for i, (r, n) in enumerate(zip(rows, lengths)):
         ids[i, :n], mask[i, :n] = r["input_ids"], r["loss_mask"]
         feats[i, :n], fin[i, :n] = r["features"], r["final_hidden"]
-    mb = MicroBatch(ids, mask, feats, fin, num_tokens=sum(lengths))
+        if lse is not None:
+            lse[i, :n] = r["target_lse"]
+    mb = MicroBatch(ids, mask, feats, fin, num_tokens=sum(lengths), target_lse=lse)
     if eagle:
         mb.ttt = L.ttt_targets(mask, gamma)
         return mb
@@ -403,11 +445,13 @@ class TrainStep(nn.Module):
         d = self.drafter
         if self.eagle:
             logits = [d.logits(h) for h in d.ttt_forward(mb.input_ids, mb.features)]
-            sums = L.eagle3_loss_sums(logits, mb.ttt, mb.final_hidden, d.lm_head.weight, self.loss_config)
+            sums = L.eagle3_loss_sums(logits, mb.ttt, mb.final_hidden, d.lm_head.weight, self.loss_config,
+                                      mb.target_lse if d.draft_vocab_ids is not None else None)
         else:
             out = d.training_forward(mb.input_ids, mb.features, mb.anchors)
             sums = L.dspark_loss_sums(out.logits, out.confidence_logits, mb.block, mb.final_hidden, mb.anchors,
-                                      d.lm_head.weight, self.loss_config, out.greedy_confidence_logits)
+                                      d.lm_head.weight, self.loss_config, out.greedy_confidence_logits,
+                                      d.draft_vocab_ids, mb.target_lse if d.draft_vocab_ids is not None else None)
         return {k: v.clone() for k, v in sums.num.items()}  # not views: FSDP hooks the outputs
 
 
@@ -441,6 +485,9 @@ class Trainer:
                                   f"must be a multiple of the number of ranks ({ctx.world_size})")
         dc = drafter.config
         cache.check_compatible(dc.target_layer_ids, dc.hidden_size, dc.vocab_size)
+        if dc.draft_vocab_size and len(cache) and "target_lse" not in cache[0]:
+            raise InvalidArgument("cache", str(getattr(cache, "path", "")), "holds no target log-partition, which a "
+                                  "draft vocabulary needs: run cache.ensure_target_lse(the target's LM head) first")
         self.config, self.cache, self.ctx, self.progress = config, cache, ctx, progress
         self.data_info = data_info or {}
         self.out = Path(config.out_dir)

@@ -11,6 +11,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     flags.add_common(p, 50053)
     flags.add_model(p)
+    flags.add_target_arg(p, flags.env("TARGET"))
     p.add_argument("--drafter-path", default=flags.env("DRAFTER_PATH"),
                    help="drafter checkpoint directory (DeepSpec format; default: the bundled models/dspark)")
     flags.add_matmul_dtype_arg(p, flags.env("DRAFTER_MATMUL_DTYPE", flags.env("MATMUL_DTYPE", "auto")))
@@ -23,7 +24,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from dspark_core.stack import CALIBRATION_FILE, resolve_drafter_path
+    from dspark_core.stack import CALIBRATION_FILE, resolve_drafter_path, resolve_target
 
     from ..common import flags
     from ..common.server import ServerConfig
@@ -31,7 +32,9 @@ def run(args) -> int:
 
     flags.start_observability("drafter", args)
     path = args.drafter_path or resolve_drafter_path("dspark", None, flags.env("MODELS_DIR"))
-    cfg = DrafterAppConfig(drafter_path=path, server=ServerConfig(args.port, args.host, args.drain_seconds),
+    # a drafter that references its target's embedding / LM head reads them from there (weights only)
+    target = resolve_target(args.target, flags.env("MODELS_DIR"), flags.env("HOME"))
+    cfg = DrafterAppConfig(drafter_path=path, target_dir=target, server=ServerConfig(args.port, args.host, args.drain_seconds),
                            device=args.device, dtype=args.dtype, matmul_dtype=args.drafter_matmul_dtype,
                            calibration_file=flags.find_generated(path, CALIBRATION_FILE),
                            redis_url=args.redis_url, drafter_id=args.id,

@@ -33,6 +33,8 @@ class DrafterAppConfig:
     matmul_dtype: str = "auto"  # see dspark_core.drafters.checkpoint.resolve_matmul_dtype
     # STS temperatures from there instead of beside the drafter (what `dspark calibrate` generated for it)
     calibration_file: str | None = None
+    # the target's directory: a drafter that references the target's embedding / LM head reads them there
+    target_dir: str | None = None
     redis_url: str | None = None
     drafter_id: str | None = None
     advertise_host: str | None = None
@@ -73,7 +75,7 @@ class DrafterApp(PodLifecycle):
         from dspark_core.drafters.base import ProposeItem
 
         d = load_drafter_runtime(self.config.drafter_path, self.config.device, self.config.dtype,
-                                 self.config.matmul_dtype, self.config.calibration_file)
+                                 self.config.matmul_dtype, self.config.calibration_file, self.config.target_dir)
         st = d.new_state()  # warm-up: one real proposal on zero features
         feats = torch.zeros((2, d.config.feature_size), dtype=next(d.parameters()).dtype,
                             device=next(d.parameters()).device)

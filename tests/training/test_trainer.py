@@ -351,3 +351,63 @@ def test_trainable_one_confidence_output_leaves_the_other_alone(cli_run, target,
         after = load_file(str(tmp_path / which / "final" / "model.safetensors"))
         moved = {k for k in before if not torch.equal(before[k], after[k].to(before[k].dtype))}
         assert moved and all(k.startswith(prefix) for k in moved), (which, moved)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_cli_draft_vocab_trains_ships_referencing_the_target_and_decodes_exactly(cli_run, tiny_target_dir, target,
+                                                                                 tmp_path, capsys, kind):
+    from dspark_core.drafters.checkpoint import read_target_tensors
+    from dspark_core.engine import Engine, EngineConfig
+    from dspark_core.errors import ModelLoadError
+    from dspark_core.sampling import SamplingParams
+    from dspark_core.training.cache import LSE_SUFFIX
+
+    out, data = cli_run
+    run = tmp_path / kind
+    rc = main(["train", "--kind", kind, "--target", str(tiny_target_dir), "--data", str(data), "--out", str(run),
+               "--cache-dir", str(out / "cache"), "--steps", "4", "--global-batch", "6", "--lr", "3e-3",
+               "--draft-vocab", "64", *TRAIN_ARGS])
+    assert rc == 0
+    assert "draft vocabulary: 64 of" in capsys.readouterr().err
+    assert list((out / "cache").glob("*" + LSE_SUFFIX))  # the log-partition pass, beside the shards
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses(run))
+    drafter = load_drafter(run / "final")
+    ids = drafter.draft_vocab_ids
+    assert drafter.config.draft_vocab_size == 64 and ids.shape == (64,) and bool((ids[1:] > ids[:-1]).all())
+    embed, head = read_target_tensors(tiny_target_dir)
+    assert torch.equal(drafter.lm_head.weight, head.float()[ids])
+    # the most frequent labels of the training data are in it
+    counts = TargetCache(out / "cache").label_counts(target.vocab_size)
+    assert int(counts.argmax()) in set(ids.tolist())
+
+    # shipped with only its own tensors: it needs the target to load, and then computes the same
+    from dspark_core.drafters.checkpoint import save_drafter as save
+
+    shipped = tmp_path / "shipped"
+    save(drafter, shipped, reference_target=True)
+    stored = load_file(str(shipped / "model.safetensors"))
+    assert "lm_head.weight" not in stored and "embed_tokens.weight" not in stored and "draft_vocab_ids" in stored
+    with pytest.raises(ModelLoadError, match="beside the target"):
+        load_drafter(shipped)
+    again = load_drafter(shipped, target=str(tiny_target_dir))
+    assert torch.equal(again.lm_head.weight, drafter.lm_head.weight)
+    assert torch.equal(again.embed_tokens.weight, drafter.embed_tokens.weight)
+
+    # greedy speculative decoding with it equals the target's own decoding; every draft is a draft-vocab id
+    prompts = [[5, 9, 12, 30, 41], [7, 7, 8], [100, 3, 19, 22, 23, 24, 60, 61, 90]]
+    tapped = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32",
+                                        tap_layer_ids=again.target_layer_ids))
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    ar = Engine(tapped, None, EngineConfig(policy="ar"))
+    want = [ar.generate(p, params).output_ids for p in prompts]
+    spec = Engine(tapped, again, EngineConfig(policy="fixed"))
+    got = [spec.generate(p, params) for p in prompts]
+    assert [r.output_ids for r in got] == want
+    st = again.new_state()
+    from dspark_core.drafters.base import ProposeItem
+
+    feats = torch.randn(3, again.config.feature_size)
+    prop = again.propose([ProposeItem(state=st, new_features=feats, new_positions_start=0, new_tokens=[5, 9, 12],
+                                      anchor=30, anchor_pos=3, temperature=1.0,
+                                      generator=torch.Generator().manual_seed(0))])[0]
+    assert set(prop.tokens) <= set(ids.tolist()) and set(prop.support_ids.flatten().tolist()) <= set(ids.tolist())
