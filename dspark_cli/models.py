@@ -60,7 +60,8 @@ def target_dirs() -> dict[str, Path]:
 
 def resolve_target(name_or_dir: str | None) -> str:
     """`--target`: a name (`tiny`, `smollm2`), a model directory, or None for the default target."""
-    return stack.resolve_target(name_or_dir, os.environ.get("DSPARK_MODELS_DIR"), os.environ.get("DSPARK_HOME"))
+    return stack.resolve_target(name_or_dir or os.environ.get("DSPARK_TARGET"), os.environ.get("DSPARK_MODELS_DIR"),
+                                os.environ.get("DSPARK_HOME"))
 
 
 def smollm2_gguf() -> Path | None:
@@ -79,7 +80,8 @@ def smollm2_gguf() -> Path | None:
 
 
 def default_target() -> str:
-    return stack.default_target(models_dir())
+    """The default target's directory (`DSPARK_TARGET`, else stack.DEFAULT_TARGET)."""
+    return resolve_target(None)
 
 
 def note(message: str) -> None:
@@ -100,12 +102,16 @@ def resolve_drafter_path(name: str | None, path: str | None, target_dir: str | N
     installed and (given `target_dir`) shaped for that target, and otherwise returns None after `say(reason)`
     (default: a note that decoding goes on without a drafter). A named shipped drafter is taken as asked;
     `load_stack` refuses it beside a target it does not fit."""
-    return stack.resolve_drafter_path(name, path, models_dir(), target_dir, say)
+    if target_dir is None and not path and name not in (None, "none"):
+        target_dir = default_target()
+    return stack.resolve_drafter_path(name, path, models_dir(), target_dir, say, os.environ.get("DSPARK_HOME"))
 
 
 def drafter_dir(name_or_path: str) -> str:
     """A drafter checkpoint directory as given, else a shipped drafter's name (see resolve_drafter_path)."""
-    return stack.drafter_dir(name_or_path, models_dir())
+    if Path(name_or_path).is_dir():
+        return name_or_path
+    return stack.drafter_dir(name_or_path, models_dir(), default_target())
 
 
 def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto",

@@ -80,6 +80,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cache-dir", default=None, help="target cache directory (default OUT/cache); reused when it "
                                                      "was built from the same target, layers, prompts and settings")
     p.add_argument("--rebuild-cache", action="store_true", help="discard an existing cache in --cache-dir")
+    p.add_argument("--add-cache", nargs="+", default=(), metavar="DIR",
+                   help="complete target caches of earlier runs (same target and tapped layers) to train on "
+                        "together with this run's own, e.g. another distillation of other prompts")
     p.add_argument("--limit-prompts", type=int, default=None, help="first N prompts of each file")
     p.add_argument("--eval-fraction", type=float, default=0.2, help="held-out fraction of the fixed split (0.2)")
     g = p.add_argument_group("distillation")
@@ -201,7 +204,7 @@ def run(args) -> int:
     import torch
 
     from dspark_core.target import TargetConfig, TargetRuntime
-    from dspark_core.training.cache import ConcatCache
+    from dspark_core.training.cache import ConcatCache, TargetCache
     from dspark_core.training.data import load_prompts, split
     from dspark_core.training.distributed import init_distributed
     from dspark_core.training.prepare import DistillSettings, prepare_target_cache
@@ -260,6 +263,11 @@ def run(args) -> int:
                                        else cache_dir, ctx, s, rebuild=args.rebuild_cache,
                                        progress=not args.no_progress, log=say, responses=responses)
                   for s in settings]
+        for extra in args.add_cache:
+            if not (Path(extra) / "manifest.json").is_file():
+                raise InvalidArgument("--add-cache", extra, "must be a complete target cache (manifest.json)")
+            caches.append(TargetCache(extra))
+            say(f"adding target cache {extra} ({len(caches[-1])} sequences)")
         cache = caches[0] if len(caches) == 1 else ConcatCache(caches, cache_dir)
         draft_vocab = None
         if cfg.draft_vocab_size:
@@ -284,6 +292,7 @@ def run(args) -> int:
         gc.collect()
         data_info = {"prompt_files": [str(f) for f in args.data or ()], "train_prompts": len(train_prompts),
                      "held_out_prompts": len(held_out),
+                     **({"added_caches": [str(d) for d in args.add_cache]} if args.add_cache else {}),
                      **({"response_files": [str(f) for f in args.responses], "responses": len(responses)}
                         if responses is not None else {}),
                      "distill": settings[0].__dict__ if len(settings) == 1 else

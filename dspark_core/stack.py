@@ -37,8 +37,14 @@ def models_dir(root: str | Path | None = None) -> Path:
     return Path(root) if root else Path(__file__).resolve().parents[1] / "models"
 
 
-def default_target(root: str | Path | None = None) -> str:
-    return str(models_dir(root) / "target")
+# The named target a command runs when none is given (`DSPARK_TARGET` overrides it for the CLI and the services;
+# the test suite sets it to `tiny`).
+DEFAULT_TARGET = "tiny"
+
+
+def default_target(root: str | Path | None = None, home: str | Path | None = None) -> str:
+    """The default target's directory (DEFAULT_TARGET; it may not be installed yet: resolve_target says so)."""
+    return str(target_dirs(root, home)[DEFAULT_TARGET])
 
 
 def install_dir(home: str | Path | None = None) -> Path:
@@ -59,7 +65,7 @@ def target_dirs(root: str | Path | None = None, home: str | Path | None = None) 
 def resolve_target(name_or_dir: str | None, root: str | Path | None = None, home: str | Path | None = None) -> str:
     """A target's name (`tiny`, `smollm2`), any Hugging Face model directory, or None for the default."""
     if not name_or_dir:
-        return default_target(root)
+        name_or_dir = DEFAULT_TARGET
     named = target_dirs(root, home)
     if name_or_dir not in named:
         return name_or_dir
@@ -70,17 +76,42 @@ def resolve_target(name_or_dir: str | None, root: str | Path | None = None, home
     return str(p)
 
 
+def target_name(target_dir: str | Path | None, root: str | Path | None = None,
+                home: str | Path | None = None) -> str | None:
+    """Which named target (`tiny`, `smollm2`) a directory is, None for any other (None = the default's name)."""
+    if target_dir is None:
+        return DEFAULT_TARGET
+    try:
+        mine = Path(target_dir).resolve()
+    except OSError:
+        return None
+    for name, p in target_dirs(root, home).items():
+        if p.resolve() == mine:
+            return name
+    return None
+
+
+def drafters_dir(target_dir: str | Path | None = None, root: str | Path | None = None,
+                 home: str | Path | None = None) -> Path:
+    """Where a target's shipped drafters live: `models/<kind>` for the tiny target (and any unnamed one, which
+    the target check then refuses), `models/<target>/<kind>` for another named target (`models/smollm2/dspark`)."""
+    name = target_name(target_dir, root, home)
+    return models_dir(root) if name in (None, "tiny") else models_dir(root) / name
+
+
 def resolve_drafter_path(name: str | None, path: str | None, root: str | Path | None = None,
-                         target_dir: str | None = None, say=None) -> str | None:
-    """A path wins; name None / "none" is autoregressive; "auto" takes the shipped DSpark if present and,
-    given `target_dir`, shaped for that target (else None after `say(reason)`); any other name is a shipped
-    drafter under `models_dir(root)` (`load_stack` refuses it beside a target it was not trained for)."""
+                         target_dir: str | None = None, say=None, home: str | Path | None = None) -> str | None:
+    """A path wins; name None / "none" is autoregressive; "auto" takes the target's shipped DSpark if present
+    and, given `target_dir`, shaped for that target (else None after `say(reason)`); any other name is a
+    shipped drafter of that target (`drafters_dir`; `load_stack` refuses it beside a target it was not trained
+    for). `target_dir` None = the default target."""
     if path:
         return path
     if name in (None, "none"):
         return None
+    shipped = drafters_dir(target_dir, root, home)
     if name == "auto":
-        p = models_dir(root) / "dspark"
+        p = shipped / "dspark"
         if not (p / "config.json").exists():
             return None
         if target_dir is not None:
@@ -94,15 +125,15 @@ def resolve_drafter_path(name: str | None, path: str | None, root: str | Path | 
                         f"{target_dir})")
                 return None
         return str(p)
-    p = models_dir(root) / name
+    p = shipped / name
     if not (p / "config.json").exists():
         raise ModelLoadError(f"drafter {name!r} is not installed (looked in {p})")
     return str(p)
 
 
-def drafter_dir(name_or_path: str, root: str | Path | None = None) -> str:
+def drafter_dir(name_or_path: str, root: str | Path | None = None, target_dir: str | None = None) -> str:
     """A drafter checkpoint directory as given, else a shipped drafter's name (see resolve_drafter_path)."""
-    return name_or_path if Path(name_or_path).is_dir() else resolve_drafter_path(name_or_path, None, root)
+    return name_or_path if Path(name_or_path).is_dir() else resolve_drafter_path(name_or_path, None, root, target_dir)
 
 
 def drafter_taps(drafter_path: str) -> tuple[int, ...]:

@@ -96,8 +96,10 @@ class Verifier:
     tokens it carried, its duration on `clock` (seconds; on an accelerator the pass is synchronised first)
     and the mean context per request: what `dspark_core.cost_model.OnlineSpsTable.observe` takes."""
 
-    def __init__(self, target: TargetRuntime, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, target: TargetRuntime, clock: Callable[[], float] = time.perf_counter,
+                 isolate_seeded: bool = True):
         self.target = target
+        self.isolate_seeded = isolate_seeded
         self._slots: dict[str, _Slot] = {}
         self.clock = clock
         self.on_forward: Callable[[int, float, float], object] | None = None
@@ -157,8 +159,9 @@ class Verifier:
         """target.forward over [(sequence, tokens)] -> [(logits, taps)] per entry, except that each seeded
         sampled request runs in a pass of its own: a batched forward rounds differently with the batch's
         shape, and a seeded request's logits and features (which its drafts come from) must not depend on
-        what else runs. Unseeded and greedy requests share one pass."""
-        alone = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+        what else runs. Unseeded and greedy requests share one pass (and, without `isolate_seeded`, all)."""
+        alone = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy] if self.isolate_seeded \
+            else []
         rest = [i for i in range(len(batch)) if i not in set(alone)]
         out: list = [None] * len(batch)
         for group in [[i] for i in alone] + ([rest] if rest else []):

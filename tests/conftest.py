@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Commands and services without --target run the tiny bundled model in tests (the default target, SmolLM2, is
+# for users; tests that check the default itself set their own). Subprocesses inherit it.
+os.environ["DSPARK_TARGET"] = "tiny"
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_FIXTURES = REPO / "tests" / "fixtures" / "deepspec-tiny-a"

@@ -192,7 +192,9 @@ def distill(target, prompts: list[Prompt], *, max_new_tokens: int = 256, tempera
 
     limit = max_prompt_tokens or (target.max_context - max_new_tokens - 1)
     # an offline batch job: every prompt may wait in the queue
-    engine = Engine(target, None, EngineConfig(policy="ar", max_active=concurrency, max_waiting=max(1, len(prompts))))
+    # seeded answers batched together: the target's distribution either way, ~10x faster than a pass per request
+    engine = Engine(target, None, EngineConfig(policy="ar", max_active=concurrency, max_waiting=max(1, len(prompts)),
+                                               isolate_seeded=False))
     pending: dict[str, tuple[int, list[int], str]] = {}  # request id -> (prompt index, ids, domain)
     encoded = [(i, pr, encode_prompt(target.tokenizer, pr.text)) for i, pr in enumerate(prompts)]
     # Shortest first: a batched step attends over the longest active context, so mixing one long prompt into

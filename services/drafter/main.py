@@ -31,9 +31,11 @@ def run(args) -> int:
     from .server import DrafterApp, DrafterAppConfig
 
     flags.start_observability("drafter", args)
-    path = args.drafter_path or resolve_drafter_path("dspark", None, flags.env("MODELS_DIR"))
-    # a drafter that references its target's embedding / LM head reads them from there (weights only)
+    # the target's shipped DSpark by default; a drafter that references its target's embedding / LM head reads
+    # them from the target's weights (nothing else of the target is loaded)
     target = resolve_target(args.target, flags.env("MODELS_DIR"), flags.env("HOME"))
+    path = args.drafter_path or resolve_drafter_path("dspark", None, flags.env("MODELS_DIR"), target,
+                                                     home=flags.env("HOME"))
     cfg = DrafterAppConfig(drafter_path=path, target_dir=target, server=ServerConfig(args.port, args.host, args.drain_seconds),
                            device=args.device, dtype=args.dtype, matmul_dtype=args.drafter_matmul_dtype,
                            calibration_file=flags.find_generated(path, CALIBRATION_FILE),

@@ -40,11 +40,12 @@ def _default_tokenizer() -> str | None:
     """The bundled target's tokenizer (used only if the verifiers serve that model)."""
     from pathlib import Path
 
-    from dspark_core.stack import default_target
+    from dspark_core.stack import DEFAULT_TARGET, target_dirs
 
     from ..common import flags
 
-    d = default_target(flags.env("MODELS_DIR"))
+    name = flags.env("TARGET") or DEFAULT_TARGET
+    d = str(target_dirs(flags.env("MODELS_DIR"), flags.env("HOME")).get(name, name))
     return d if (Path(d) / "tokenizer.json").exists() or (Path(d) / "tokenizer_config.json").exists() else None
 
 

@@ -35,7 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from dspark_core.stack import CALIBRATION_FILE, SPS_FILE, resolve_drafter_path, resolve_target
+    from dspark_core.stack import CALIBRATION_FILE, SPS_FILE, resolve_drafter_path, resolve_target, target_name
 
     from ..common import flags
     from ..common.server import ServerConfig, check_port_free
@@ -48,10 +48,9 @@ def run(args) -> int:
         taps = tuple(int(x) for x in args.tap_layer_ids.split(",") if x.strip())
     target = resolve_target(args.target, flags.env("MODELS_DIR"), flags.env("HOME"))
     drafter_path = args.drafter_path
-    default = resolve_target(None, flags.env("MODELS_DIR"))
-    if drafter_path is None and taps is None and Path(target).resolve() == Path(default).resolve():
-        # the default target taps the layers of the default drafter (what `serve drafter` serves)
-        drafter_path = resolve_drafter_path("auto", None, flags.env("MODELS_DIR"), target)
+    if drafter_path is None and taps is None and target_name(target, flags.env("MODELS_DIR"), flags.env("HOME")):
+        # a named target taps the layers of its default drafter (what `serve drafter` serves beside it)
+        drafter_path = resolve_drafter_path("auto", None, flags.env("MODELS_DIR"), target, home=flags.env("HOME"))
     cfg = VerifierConfig(
         target=target, server=ServerConfig(args.port, args.host, args.drain_seconds),
         device=args.device, dtype=args.dtype, weights=args.weights, tap_layer_ids=taps, drafter_path=drafter_path,

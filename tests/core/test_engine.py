@@ -186,3 +186,23 @@ def test_observer_gets_one_record_per_step_aligned_with_the_round(tiny_target_di
         assert lengths == out.proposed_per_round  # one entry per round the request took part in
     events = [e.request_id for r in records for e in r.events if e.finished]
     assert sorted(events) == sorted(by_request)
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_seeded_requests_run_alone_unless_batching_them_is_allowed(target, isolate, monkeypatch):
+    passes = []
+    real = target.forward
+
+    def counting(batch, **kw):
+        passes.append(len(batch))
+        return real(batch, **kw)
+
+    monkeypatch.setattr(target, "forward", counting)
+    engine = Engine(target, None, EngineConfig(policy="ar", isolate_seeded=isolate))
+    rids = [engine.add_request(p, SamplingParams(temperature=1.0, seed=i, max_new_tokens=4))
+            for i, p in enumerate(PROMPTS)]
+    engine.run()
+    outs = [engine.pop(r) for r in rids]
+    assert all(len(o.output_ids) == 4 for o in outs)
+    decode = passes[1:]  # after the (batched) prefill
+    assert (max(decode) == 1) if isolate else (max(decode) == len(PROMPTS))

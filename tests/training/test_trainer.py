@@ -411,3 +411,19 @@ def test_cli_draft_vocab_trains_ships_referencing_the_target_and_decodes_exactly
                                       anchor=30, anchor_pos=3, temperature=1.0,
                                       generator=torch.Generator().manual_seed(0))])[0]
     assert set(prop.tokens) <= set(ids.tolist()) and set(prop.support_ids.flatten().tolist()) <= set(ids.tolist())
+
+
+def test_cli_add_cache_trains_on_earlier_caches_too(cli_run, tiny_target_dir, tmp_path, capsys):
+    out, data = cli_run
+    run = tmp_path / "added"
+    rc = main(["train", "--kind", "dflash", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(run),
+               "--cache-dir", str(out / "cache"), "--add-cache", str(out / "cache"), "--steps", "1",
+               "--global-batch", "4", *TRAIN_ARGS])
+    assert rc == 0 and "adding target cache" in capsys.readouterr().err
+    card = json.loads((run / "training_card.json").read_text())
+    assert card["data"]["num_samples"] == 2 * len(TargetCache(out / "cache"))
+    assert card["data"]["added_caches"] == [str(out / "cache")]
+    capsys.readouterr()
+    rc = main(["train", "--kind", "dflash", "--target", str(tiny_target_dir), "--data", str(data), "--out",
+               str(tmp_path / "bad"), "--cache-dir", str(out / "cache"), "--add-cache", str(tmp_path), *TRAIN_ARGS])
+    assert rc == 2 and "--add-cache must be a complete target cache" in capsys.readouterr().err
