@@ -270,7 +270,19 @@ def run(args) -> int:
             say(f"adding target cache {extra} ({len(caches[-1])} sequences)")
         cache = caches[0] if len(caches) == 1 else ConcatCache(caches, cache_dir)
         draft_vocab = None
-        if cfg.draft_vocab_size:
+        if cfg.init_from and not cfg.draft_vocab_size:
+            # continuing a drafter with a draft vocabulary keeps its vocabulary
+            from safetensors import safe_open
+
+            from dspark_core.drafters.config import load_config as load_drafter_config
+
+            n = load_drafter_config(Path(cfg.init_from)).draft_vocab_size
+            if n:
+                with safe_open(str(Path(cfg.init_from) / "model.safetensors"), framework="pt") as f:
+                    draft_vocab = f.get_tensor("draft_vocab_ids").long()
+                cfg = dataclasses.replace(cfg, draft_vocab_size=n)
+                say(f"draft vocabulary: {n} ids, kept from {cfg.init_from}")
+        elif cfg.draft_vocab_size:
             if cfg.draft_vocab_size > target.vocab_size:
                 raise InvalidArgument("--draft-vocab", cfg.draft_vocab_size,
                                       f"must be at most the target's vocabulary ({target.vocab_size})")
@@ -281,6 +293,7 @@ def run(args) -> int:
             covered = float(counts[draft_vocab].sum()) / max(1.0, float(counts.sum()))
             say(f"draft vocabulary: {cfg.draft_vocab_size} of {target.vocab_size} ids, covering {covered:.1%} of "
                 f"the {int(counts.sum())} label tokens ({int((counts > 0).sum())} distinct)")
+        if draft_vocab is not None:
             # every rank computes it for its own reading (cheap next to training; shards are written atomically)
             cache.ensure_target_lse(target.model.get_output_embeddings().weight.detach().float().cpu(),
                                     progress=not args.no_progress and ctx.is_main)

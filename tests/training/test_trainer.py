@@ -393,6 +393,14 @@ def test_cli_draft_vocab_trains_ships_referencing_the_target_and_decodes_exactly
     assert torch.equal(again.lm_head.weight, drafter.lm_head.weight)
     assert torch.equal(again.embed_tokens.weight, drafter.embed_tokens.weight)
 
+    # continuing it (--init-from) keeps its draft vocabulary
+    more = tmp_path / f"{kind}-more"
+    assert main(["train", "--kind", kind, "--target", str(tiny_target_dir), "--data", str(data), "--out", str(more),
+                 "--cache-dir", str(out / "cache"), "--steps", "1", "--global-batch", "6",
+                 "--init-from", str(run / "final"), *TRAIN_ARGS]) == 0
+    assert "kept from" in capsys.readouterr().err
+    assert torch.equal(load_drafter(more / "final").draft_vocab_ids, ids)
+
     # greedy speculative decoding with it equals the target's own decoding; every draft is a draft-vocab id
     prompts = [[5, 9, 12, 30, 41], [7, 7, 8], [100, 3, 19, 22, 23, 24, 60, 61, 90]]
     tapped = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32",
