@@ -201,9 +201,11 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
 
     # the cost-driven policies read the live table: the profile corrected by every pass of this run
     online = policy in SPS_POLICIES and isinstance(sps, SpsTable)
+    # seeded sampled requests batched like unseeded ones (what serving does with requests that bring no seed):
+    # one pass per seeded request would measure B = 1 passes at every concurrency
     return Engine(target, drafter, EngineConfig(policy=policy, block_size=settings.block_size,
                                                 max_active=concurrency, max_waiting=max(1024, concurrency),
-                                                online_sps=online),
+                                                online_sps=online, isolate_seeded=False),
                   sps=sps if policy in SPS_POLICIES else None)
 
 

@@ -177,8 +177,11 @@ def run_rounds(target, drafter, prompts: list[list[int]], *, block_size: int | N
     if not prompts:
         raise InvalidArgument("prompts", 0, "must hold at least one prompt")
     recorder = _ProposalLog()
+    # seeded requests batched (isolate_seeded=False): acceptance statistics of the target's own distribution,
+    # reproducible up to the batch's rounding, at batched speed
     engine = Engine(target, drafter, EngineConfig(policy="fixed", block_size=block_size, max_active=concurrency,
-                                                 max_waiting=len(prompts) + 1), observer=recorder)
+                                                 max_waiting=len(prompts) + 1, isolate_seeded=False),
+                    observer=recorder)
     log = RoundLog(confidence_logits=[] if drafter.has_confidence else None)
     order: dict[str, int] = {}
     for i, ids in enumerate(prompts):
