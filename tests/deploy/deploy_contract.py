@@ -35,8 +35,8 @@ SERVE: dict[str, ServeFlags] = {
                             "--drafter-port", "--drafter-matmul-dtype"}),
     ),
     "drafter": ServeFlags(
-        # the drafter checkpoint carries its own copy of the embeddings and LM head: no target needed
-        required=frozenset({"--port", "--metrics-port", "--redis-url", "--drafter-path"}),
+        # --target: a drafter that references its target's embedding and LM head reads them from there
+        required=frozenset({"--port", "--metrics-port", "--redis-url", "--drafter-path", "--target"}),
         optional=frozenset({"--device", "--dtype", "--drafter-matmul-dtype"}),
     ),
 }

@@ -244,7 +244,8 @@ def test_init_container_fetches_each_pool_its_models(objects):
         "scheduler": ["hf://Qwen/Qwen3-8B@main=/app/models/target|*.json,*.txt,*.model,*.tiktoken,*.jinja"],
         "verifier": ["hf://Qwen/Qwen3-8B@main=/app/models/target", "hf://dspark/qwen3-8b-dspark=/app/models/dspark|config.json"],
         # the drafter checkpoint carries its own embeddings and LM head: it never needs the target
-        "drafter": ["hf://dspark/qwen3-8b-dspark=/app/models/dspark"],
+        "drafter": ["hf://dspark/qwen3-8b-dspark=/app/models/dspark",
+                    "hf://Qwen/Qwen3-8B@main=/app/models/target|*.json,*.safetensors"],
     }
     for comp, args in expected.items():
         pod = deployment_of(objs, comp)["spec"]["template"]["spec"]

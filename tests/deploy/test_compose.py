@@ -55,6 +55,7 @@ def test_compose_and_chart_agree_on_ports_and_model_paths():
         assert int(flags["--port"]) == ports["grpc"] and int(flags["--metrics-port"]) == ports["metrics"]
     _, drafter = parse_serve_args(SERVICES["drafter"]["command"][1:])
     assert drafter["--drafter-path"] == f"{values['models']['mountPath']}/{values['models']['drafter']}"
+    assert drafter["--target"] == f"{values['models']['mountPath']}/{values['models']['target']}"
 
 
 def test_optional_monitoring_and_tracing_profiles():
