@@ -293,7 +293,7 @@ class EngineLoop:
             sub = 0.0
             if call is not None:
                 sub = sum(after.get(f"{call}.{x}", 0.0) - before.get(f"{call}.{x}", 0.0)
-                          for x in ("serialize", "send", "rpc", "deserialize"))
+                          for x in ("serialize", "rpc", "deserialize"))
             if sub > 0:
                 CLOCK.add(f"{call}.other", d - sub)
             else:

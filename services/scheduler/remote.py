@@ -65,12 +65,15 @@ def _raise_status(exc: grpc.RpcError, where: str):
     raise Unavailable(f"{where}: {code.name}: {msg}") from None
 
 
-def _rpc_stages(call: str, pod: str, t_sent: float, server: list) -> None:
-    """Stage times of one round of `call` RPCs (services/scheduler/stages.py): from the first answer awaited
-    to the last one read, less the reading (`server[2:]`), is `call`.rpc, of which the pods reported
-    `server[0]` forward and `server[1]` queueing; the rest is transport."""
+def _rpc_stages(call: str, pod: str, t_sent: float | None, later: float, server: list) -> None:
+    """Stage times of one round of `call` RPCs (services/scheduler/stages.py): from the first call's start to
+    the last answer read, less the reading (`server[2:]`) and the protos built for the other pods meanwhile
+    (`later`), is `call`.rpc, of which the pods reported `server[0]` forward and `server[1]` queueing; the
+    rest is transport (starting the call, the wire, gRPC and the pod's own protos on both sides)."""
+    if t_sent is None:
+        return
     read = sum(server[2:])
-    rpc = time.perf_counter() - t_sent - read
+    rpc = time.perf_counter() - t_sent - read - later
     CLOCK.add(f"{call}.rpc", rpc)
     CLOCK.add(f"{call}.deserialize", read)
     CLOCK.add(f"{pod}.forward", server[0])
@@ -264,6 +267,7 @@ class RemoteVerifier:
                              exclude={req.pod.address} if req.pod else set())
             by_pod.setdefault(req.pod.address, []).append(i)
         futures = []
+        t_sent, later = None, 0.0  # the first call's start; the protos built for the other pods after it
         for addr, idx in by_pod.items():
             pod = self.pool.get(addr) or self.requests[items[idx[0]].request_id].pod
             t0 = time.perf_counter()
@@ -274,12 +278,15 @@ class RemoteVerifier:
             futures.append((pod, idx, pod.stub.Verify.future(msg, timeout=self.timeout_s, metadata=md)))
             CLOCK.add("verify.serialize", t1 - t0)
             CLOCK.add("verify.send", time.perf_counter() - t1)
-        t_sent = time.perf_counter()
+            if t_sent is None:
+                t_sent = t1
+            else:
+                later += t1 - t0
         server = [0.0, 0.0]  # the longest forward and queue any pod reported (the pods run in parallel)
         try:
             return self._verify_results(items, futures, results, retry, last, server)
         finally:
-            _rpc_stages("verify", "verifier", t_sent, server)
+            _rpc_stages("verify", "verifier", t_sent, later, server)
 
     def _verify_results(self, items, futures, results, retry, last: bool, server: list) -> list[int]:
         for pod, idx, fut in futures:
@@ -477,6 +484,7 @@ class RemoteDrafter:
         for i in todo:
             by_pod.setdefault(items[i].state.pod.address, []).append(i)
         futures = []
+        t_sent, later = None, 0.0  # the first call's start; the protos built for the other pods after it
         for addr, idx in by_pod.items():
             pod = items[idx[0]].state.pod
             t0 = time.perf_counter()
@@ -485,12 +493,15 @@ class RemoteDrafter:
             futures.append((pod, idx, pod.stub.Propose.future(msg, timeout=self.timeout_s, metadata=md)))
             CLOCK.add("propose.serialize", t1 - t0)
             CLOCK.add("propose.send", time.perf_counter() - t1)
-        t_sent = time.perf_counter()
+            if t_sent is None:
+                t_sent = t1
+            else:
+                later += t1 - t0
         server = [0.0, 0.0]
         try:
             return self._propose_results(items, futures, out, last, md, server)
         finally:
-            _rpc_stages("propose", "drafter", t_sent, server)
+            _rpc_stages("propose", "drafter", t_sent, later, server)
 
     def _propose_results(self, items, futures, out, last: bool, md, server: list) -> list[int]:
         retry = []

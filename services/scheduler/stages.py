@@ -3,13 +3,14 @@
 Every stage is wall time of the engine thread, added up over steps, so the stages of a step partition it:
 
   prefill                       admission (Prefill RPCs, or the local prefill)
-  propose.serialize / .send / .rpc / .deserialize / .other
-                                the drafter call: building the protos, starting the call (bytes, gRPC),
-                                waiting for the answer, reading it, and the rest (placement, failover,
-                                trace context); embedded: `draft` holds the local pass
+  propose.serialize / .rpc / .deserialize / .other
+                                the drafter call: building the protos, the call itself (from its start to
+                                its answer), reading the answer, and the rest (placement, failover, trace
+                                context); embedded: `draft` holds the local pass
   propose.rpc = drafter.forward + drafter.queue + propose.transport
                                 what the drafter reported doing (its forward pass, its queue / coalescing
-                                wait) and the rest of the round trip (gRPC, the wire, server-side protos)
+                                wait) and the rest of the round trip (gRPC, the wire, server-side protos);
+                                propose.send, the part of transport spent starting the call, on its own
   verify.* / verifier.*         the same for the verifier
   schedule                      the policy and the verify blocks
   engine.other                  the engine's own bookkeeping in the step (commit, monitors)
@@ -86,8 +87,8 @@ def per_step(before: tuple[int, dict], after: tuple[int, dict]) -> dict:
 
 
 # sub-stages of propose.rpc / verify.rpc (the others partition the engine thread's wall time)
-_PARTS = frozenset({"drafter.forward", "drafter.queue", "propose.transport",
-                    "verifier.forward", "verifier.queue", "verify.transport"})
+_PARTS = frozenset({"drafter.forward", "drafter.queue", "propose.transport", "propose.send",
+                    "verifier.forward", "verifier.queue", "verify.transport", "verify.send"})
 
 
 def parse_prometheus(text: str) -> tuple[int, dict[str, float]]:
