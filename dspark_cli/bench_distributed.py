@@ -81,15 +81,18 @@ class Cluster:
     """Starts the embedded and the distributed deployment; `stop()` ends every process it started."""
 
     def __init__(self, target_dir: str, drafter_dir: str | None, policy: str, block_size: int | None,
-                 log_dir: Path):
+                 log_dir: Path, env: dict | None = None):
+        """`env`: the processes' environment (default this one's), e.g. another PYTHONPATH for an A/B run."""
         self.target_dir, self.drafter_dir, self.policy, self.block_size = target_dir, drafter_dir, policy, block_size
+        self.env = env
         self.log_dir = log_dir
         self.deployments: list[Deployment] = []
         self.redis = None
 
     def _spawn(self, dep: Deployment, argv: list[str]) -> None:
         err = open(dep.log, "a")  # noqa: SIM115 - closed with the process
-        dep.procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ)))
+        dep.procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err,
+                                          env=dict(os.environ if self.env is None else self.env)))
         err.close()
 
     def _engine_args(self) -> list[str]:
