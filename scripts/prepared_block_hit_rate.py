@@ -13,6 +13,13 @@ every verified round, records the drafter's top-2 tokens at each slot, then coun
   (guessed here by the drafter's own next-slot token when l < gamma; when l == gamma it is not known,
   so those rounds count as misses: a lower bound).
 Greedy only (the ranking uses the drafter's probabilities and confidences); prints one JSON object.
+
+It also measures what a prepared block is worth when its hypothesis does come true: while block t is being
+verified, the drafter's context lacks the features of the positions under verification (they come out of
+that very pass), so a block prepared then is drafted from an older context. For every round, the block that
+a pre-drafter would have prepared for the true outcome (the drafter's cache as it stood during the verify
+pass, anchored at the true next anchor) is compared with the block drafted afresh next round:
+prepared_accepted vs fresh_accepted (mean accepted drafts, greedy, against the target's own output).
 """
 import argparse
 import json
@@ -51,6 +58,17 @@ def draft(items):
 
 drafter.draft = draft
 rounds = []
+prepared: dict[tuple, tuple] = {}  # (request id, anchor position) -> (output index of the anchor, block tokens)
+paired: list[tuple] = []  # (request id, output index, prepared tokens, fresh accepted)
+
+
+def prepare(req):
+    """The block a pre-drafter would have drafted during the verify pass that just ended, for its outcome."""
+    st = req.draft_state
+    dev = drafter._device
+    anchors = torch.tensor([req.anchor], device=dev)
+    hidden = drafter.forward_block([st.cache], anchors, torch.tensor([req.anchor_pos], device=dev))
+    return drafter.run_heads(hidden, drafter.lm_head(hidden), anchors).tokens[0].tolist()
 
 
 def observe(rec):
@@ -60,6 +78,12 @@ def observe(rec):
         if req is None or ev is None or not req.accepted_per_round or l == 0:
             continue
         a = req.accepted_per_round[-1]
+        key = (rid, req.anchor_pos - len(ev.new_token_ids))  # this round's anchor position
+        if key in prepared:
+            paired.append((rid, *prepared.pop(key), a))
+        if not req.finished:
+            with torch.no_grad():
+                prepared[(rid, req.anchor_pos)] = (len(req.output_ids), prepare(req))
         if len(ev.new_token_ids) <= a:
             continue  # cut by max_new_tokens / a stop: no next anchor
         ids, p = top2[id(req.draft_state)] if req.draft_state is not None else (None, None)
@@ -75,7 +99,22 @@ for ds in ("mbpp", "math500", "arena-hard-v2"):
     _, held = split(load_prompts(REPO / "data" / "dev" / f"{ds}.jsonl"))
     for pr in held[:args.prompts]:
         engine.add_request(encode_prompt(tok, pr.text[:400]), SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens))
-engine.run()
+outputs = {}
+while engine.has_work:
+    for ev in engine.step():
+        if ev.finished:
+            outputs[ev.request_id] = engine.requests[ev.request_id].output_ids
+
+
+def matched(block, truth):
+    k = 0
+    while k < len(block) and k < len(truth) and block[k] == truth[k]:
+        k += 1
+    return k
+
+
+quality = [(matched(toks, outputs[rid][idx:]), fresh) for rid, idx, toks, fresh in paired if rid in outputs
+           and len(outputs[rid]) - idx >= len(toks)]
 
 n = len(rounds)
 all_acc = sum(r["a"] == r["l"] for r in rounds)
@@ -100,4 +139,7 @@ print(json.dumps({"rounds": n, "policy": args.policy, "gamma": drafter.block_siz
                   "all_accepted": round(all_acc / n, 3),
                   "recovered_is_second_choice": round(second / max(1, len(rej)), 3),
                   **{f"hits_top{k}": round(v / n, 3) for k, v in hits.items()},
-                  "mean_accepted": round(sum(r["a"] for r in rounds) / n, 3)}))
+                  "mean_accepted": round(sum(r["a"] for r in rounds) / n, 3),
+                  "paired_rounds": len(quality),
+                  "prepared_accepted": round(sum(q for q, _ in quality) / max(1, len(quality)), 3),
+                  "fresh_accepted": round(sum(f for _, f in quality) / max(1, len(quality)), 3)}))
