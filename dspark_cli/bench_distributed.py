@@ -127,8 +127,9 @@ class Cluster:
         self._spawn(dep, _dspark("serve", "verifier", "--port", str(free_port()), "--metrics-port", str(free_port()),
                                  "--target", self.target_dir, *drafter, *common))
         if self.drafter_dir:
-            self._spawn(dep, _dspark("serve", "drafter", "--port", str(free_port()),
-                                     "--metrics-port", str(free_port()), *drafter, *common))
+            self._spawn(dep, _dspark("serve", "drafter", "--port", str(free_port()),  # --target: the tensors it
+                                     "--metrics-port", str(free_port()), "--target", self.target_dir,  # may share
+                                     *drafter, *common))
         self._spawn(dep, _dspark("serve", "scheduler", "--port", str(dep.port), "--metrics-port",
                                  str(dep.metrics_port), "--target", self.target_dir, "--startup-wait", "300",
                                  *(["--drafter", "none"] if not self.drafter_dir else []),

@@ -51,6 +51,8 @@ def draft(items):
     out = inner(items)
     probs = torch.softmax(out.logits.float(), -1)
     p, ids = probs.topk(2, dim=-1)
+    if getattr(drafter, "draft_vocab_ids", None) is not None:  # columns of a draft vocabulary -> target ids
+        ids = drafter.draft_vocab_ids[ids]
     for i, it in enumerate(items):
         top2[id(it.state)] = (ids[i].tolist(), p[i].tolist())
     return out
