@@ -287,5 +287,7 @@ def human_summary(r: dict) -> str:
             if not sps:
                 continue
             parts = ", ".join(f"{'*' if k in _PARTS else ''}{k} {v * 1e3:.2f}" for k, v in sps.items())
-            lines.append(f"{name} c={c} ({b['steps']} steps, {b['wall_per_step_s'] * 1e3:.2f} ms/step): {parts}")
+            idle = ", ".join(f"{pod} idle {v:.0%}" for pod, v in b.get("pod_idle_share", {}).items())
+            lines.append(f"{name} c={c} ({b['steps']} steps, {b['wall_per_step_s'] * 1e3:.2f} ms/step"
+                         f"{'; ' + idle if idle else ''}): {parts}")
     return "\n".join(lines)

@@ -146,6 +146,8 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout)
+        if self._publishing is not None:  # a publication in flight finishes before Redis is closed
+            self._publishing.join(2.0)
         if self._writer:
             self._writer.stop()
         if self._rounds_buffer:

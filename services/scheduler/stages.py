@@ -5,8 +5,9 @@ Every stage is wall time of the engine thread, added up over steps, so the stage
   prefill                       admission (Prefill RPCs, or the local prefill)
   propose.serialize / .rpc / .deserialize / .other
                                 the drafter call: building the protos, the call itself (from its start to
-                                its answer), reading the answer, and the rest (placement, failover, trace
-                                context); embedded: `draft` holds the local pass
+                                its answer), reading the answer (with, rarely, the failover handling of
+                                items the pod refused), and the rest (placement, failover, trace context);
+                                embedded: `draft` holds the local pass
   propose.rpc = drafter.forward + drafter.queue + propose.transport
                                 what the drafter reported doing (its forward pass, its queue / coalescing
                                 wait) and the rest of the round trip (gRPC, the wire, server-side protos);
@@ -19,6 +20,9 @@ Every stage is wall time of the engine thread, added up over steps, so the stage
   loop.periodic                 the once-a-second work left on the engine thread (gauges; the Redis
                                 publication itself runs on its own thread)
   idle                          the engine thread had no request to step
+
+`per_step` adds `pod_idle_share`: the share of the step's wall time each pod spent outside its forward pass
+(with one pod per pool; the pods wait for each other, the design's cost that overlap would recover).
 
 `dspark_scheduler_stage_seconds_total{stage}` and `dspark_scheduler_steps_total` carry it to Prometheus;
 `dspark bench --distributed` reads their deltas around each load and reports seconds per step.
@@ -83,6 +87,9 @@ def per_step(before: tuple[int, dict], after: tuple[int, dict]) -> dict:
     out["seconds_per_step"] = {k: round(v / steps, 6) for k, v in sorted(diff.items())}
     out["share"] = {k: round(v / total, 4) for k, v in sorted(top.items())} if total > 0 else {}
     out["wall_per_step_s"] = round(total / steps, 6)
+    # each pod is busy its reported forward time of every step and idle the rest (one pod per pool)
+    out["pod_idle_share"] = {pod: round(max(0.0, 1 - diff[f"{pod}.forward"] / total), 4)
+                             for pod in ("drafter", "verifier") if f"{pod}.forward" in diff and total > 0}
     return out
 
 

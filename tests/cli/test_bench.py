@@ -115,6 +115,7 @@ def test_distributed_bench_over_real_processes_json_contract(tiny_stack, capsys)
     for stage in ("propose.rpc", "verify.rpc", "drafter.forward", "verifier.forward", "verify.transport"):
         assert dist["seconds_per_step"][stage] > 0
     assert emb["seconds_per_step"]["draft"] > 0 and "verify.rpc" not in emb["seconds_per_step"]
+    assert 0 <= dist["pod_idle_share"]["drafter"] < 1 and not emb["pod_idle_share"]
     assert r["config"]["policy"] == "fixed"
 
 

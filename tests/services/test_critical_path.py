@@ -68,6 +68,7 @@ def test_stage_breakdown_accounts_for_the_step_and_reaches_prometheus(stack, ref
     assert s["verifier.forward"] + s.get("verifier.queue", 0) <= s["verify.rpc"] + 1e-6
     assert s["drafter.forward"] + s.get("drafter.queue", 0) <= s["propose.rpc"] + 1e-6
     assert abs(sum(b["share"].values()) - 1) < 1e-2 and not set(b["share"]) & _PARTS
+    assert set(b["pod_idle_share"]) == {"drafter", "verifier"} and all(0 <= x < 1 for x in b["pod_idle_share"].values())
     # the top-level stages partition the engine thread's time: about the request's wall time
     accounted = b["wall_per_step_s"] * b["steps"]
     assert 0.5 * wall < accounted < wall + 0.3
