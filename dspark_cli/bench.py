@@ -40,10 +40,18 @@ def add_parser(sub) -> None:
                                    "embedded engine and measure aggregate tokens/s, per-user tokens/s and the "
                                    "mean verification length; at batch 1, also the speedup over autoregressive "
                                    "decoding and over Hugging Face assisted generation.")
-    p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated (default 1,2,4,8,16,32)")
-    p.add_argument("--policy", default="causal,async,fixed,gamma1,ar",
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated (default 1,2,4,8,16,32; with --distributed 1,8,32)")
+    p.add_argument("--policy", default=None,
                    help="comma-separated among causal, async, fixed, gamma1, threshold, ar "
-                        "(default causal,async,fixed,gamma1,ar; ar = no drafter)")
+                        "(default causal,async,fixed,gamma1,ar; ar = no drafter); with --distributed one policy, "
+                        "the schedulers' (default fixed)")
+    p.add_argument("--distributed", action="store_true",
+                   help="serve the same models as real processes on loopback, embedded (`dspark serve all`) and "
+                        "distributed (redis + verifier + drafter + scheduler), and load both with the same prompts "
+                        "over gRPC, interleaved; reports tokens/s per concurrency, their ratio "
+                        "(distributed_vs_embedded) and where each scheduler step spends its time (stage_breakdown). "
+                        "Needs redis-server on PATH")
     p.add_argument("--dataset", action="append", default=None, metavar="F.jsonl",
                    help="prompt file ({\"turns\": [...]} per line, first turn, used as given); repeatable. "
                         "Default: held-out split of the dev code sets (mbpp, livecodebench)")
@@ -86,8 +94,26 @@ def add_parser(sub) -> None:
 def check_args(args):
     from dspark_core.benchmark import BenchSettings, parse_int_list, parse_policies
 
+    distributed = getattr(args, "distributed", False)
+    if args.concurrency is None:
+        args.concurrency = "1,8,32" if distributed else "1,2,4,8,16,32"
+    if args.policy is None:
+        args.policy = "fixed" if distributed else "causal,async,fixed,gamma1,ar"
     concurrencies = parse_int_list(args.concurrency, "--concurrency")
     policies = parse_policies(args.policy, "--policy")
+    if distributed:
+        if len(policies) != 1:
+            raise InvalidArgument("--policy", args.policy, "must name one policy with --distributed (each deployment's "
+                                                           "scheduler runs one)")
+        for flag, given in (("--plot", args.plot), ("--profile-sps", args.profile_sps),
+                            ("--llamacpp-gguf", args.llamacpp_gguf), ("--hf-assistant", args.hf_assistant)):
+            if given:
+                raise InvalidArgument(flag, given, "does not apply with --distributed (the services run the policy "
+                                                   "on their own cost tables; no peers)")
+        import shutil
+
+        if shutil.which("redis-server") is None:
+            raise InvalidArgument("--distributed", True, "needs redis-server on PATH")
     if args.num_prompts < 1:
         raise InvalidArgument("--num-prompts", args.num_prompts, "must be >= 1")
     if args.max_new_tokens < 1:
@@ -216,6 +242,8 @@ def run(args) -> int:
 
     settings = check_args(args)  # validate before loading anything
     _quiet_transformers()
+    if args.distributed:
+        return run_distributed(args, settings)
     target_dir = resolve_target(args.target)
     drafter_path = resolve_drafter_path(args.drafter, args.drafter_path, target_dir)
     target, drafter = load_stack(target_dir, drafter_path, args.device, args.dtype, args.drafter_matmul_dtype,
@@ -282,6 +310,53 @@ def run(args) -> int:
         print(text)
     else:
         print(human_summary(result))
+    return 0
+
+
+def run_distributed(args, settings) -> int:
+    """`dspark bench --distributed` (dspark_cli/bench_distributed.py): embedded vs distributed processes."""
+    import types
+
+    from dspark_core.target import load_tokenizer
+
+    from .bench_distributed import human_summary as dist_summary
+    from .bench_distributed import run_distributed_bench
+
+    target_dir = resolve_target(args.target)
+    policy = settings.policies[0]
+    drafter_path = None if policy == "ar" else resolve_drafter_path(args.drafter, args.drafter_path, target_dir)
+    if policy != "ar" and drafter_path is None:
+        raise InvalidArgument("--policy", policy, "needs a drafter (none is found for this target); use ar")
+    tokenizer = load_tokenizer(target_dir)
+    if tokenizer is None:
+        raise InvalidArgument("--target", target_dir, "needs a tokenizer for the prompt list")
+    from transformers import AutoConfig
+
+    text_config = AutoConfig.from_pretrained(target_dir).get_text_config()
+    light = types.SimpleNamespace(tokenizer=tokenizer,
+                                  max_context=int(getattr(text_config, "max_position_embeddings", 2048) or 2048))
+    prompts, source = load_prompt_list(args, light)
+    say = (lambda m: print(f"dspark bench: {m}", file=sys.stderr))
+    say(f"starting the embedded and the distributed deployment ({len(prompts)} prompts, policy {policy})")
+    result = run_distributed_bench(target_dir, drafter_path, prompts, policy, list(settings.concurrencies),
+                                   settings.repeats, settings.max_new_tokens, settings.temperature, settings.seed,
+                                   settings.block_size, progress=say)
+    import os
+
+    result["config"] = {
+        "target": target_dir, "drafter": drafter_path, "policy": policy, "block_size": args.block_size,
+        "concurrency": list(settings.concurrencies), "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature, "repeats": settings.repeats, "seed": settings.seed, "prompts": source,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpus": os.cpu_count(),
+        "protocol": ("both deployments up at once on loopback; per repeat and concurrency, embedded then "
+                     "distributed, closed loop over gRPC GenerateUnary with max(prompts, 2 x concurrency) requests; "
+                     "stage_breakdown: deltas of dspark_scheduler_stage_seconds_total over the load windows"),
+    }
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text if args.json else dist_summary(result))
     return 0
 
 

@@ -190,7 +190,7 @@ class StepRecord:
     `request_ids` are the requests of this step's round in batch order; `proposals` (the drafter's,
     untruncated; empty without a drafter) and `lengths` (draft tokens verified) are aligned with them.
     `admitted` are the requests prefilled this step. `timings` maps each stage that ran ("prefill",
-    "draft", "verify") to its (start, end) in time.time_ns().
+    "draft", "schedule": the policy and the verify blocks, "verify") to its (start, end) in time.time_ns().
     """
 
     step: int
@@ -585,6 +585,11 @@ class Engine:
             r.pending_features = None if r.pending_features is None else r.pending_features[:0]
             r.pending_start, r.pending_tokens = r.anchor_pos, []
         rec.proposals = proposals
+        with rec.stage("schedule"):
+            return self._schedule(reqs, proposals, rec, elapsed)
+
+    def _schedule(self, reqs, proposals, rec: "_StepLog", elapsed: float) -> tuple[list[DraftBlock], list[list[float]]]:
+        """The policy's lengths and the verify blocks of one drafted round."""
         gamma = self.block_size
         confs = []
         for p in proposals:

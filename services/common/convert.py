@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark_core.drafters.base import Proposal, ProposeItem
@@ -129,11 +130,105 @@ def features_from_proto(msg: types_pb2.ContextFeatures, field: str, num_layers: 
 
 
 def supports_to_proto(support_ids: torch.Tensor, support_probs: torch.Tensor, out) -> None:
-    """[n, k] support ids / probs -> n SparseDistribution rows appended to `out` (a repeated field)."""
-    for ids, probs in zip(support_ids.tolist(), support_probs.float().tolist()):
-        d = out.add()
-        d.token_ids.extend(ids)
-        d.probs.extend(probs)
+    """[n, k] support ids / probs -> n SparseDistribution rows appended to `out` (a repeated field).
+
+    Each row's wire bytes are built with numpy (packed varint ids, raw little-endian float32 probs) and
+    parsed by protobuf in C: no Python object per support entry (a 7 x 4,096 support per request and step
+    otherwise costs milliseconds, issue 21). Negative ids (not token ids; refused downstream) take the
+    plain path."""
+    ids = support_ids.detach().to("cpu", torch.int64).numpy()
+    probs = support_probs.detach().to("cpu", torch.float32).contiguous().numpy()
+    if ids.size and ids.min() < 0:
+        for row_ids, row_probs in zip(ids.tolist(), probs.tolist()):
+            d = out.add()
+            d.token_ids.extend(row_ids)
+            d.probs.extend(row_probs)
+        return
+    for row_ids, row_probs in zip(ids, probs):
+        packed = _varints(row_ids)
+        raw = row_probs.astype("<f4").tobytes()
+        out.add().ParseFromString(b"\x0a" + _varint(len(packed)) + packed + b"\x12" + _varint(len(raw)) + raw
+                                  if len(row_ids) else b"")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _varints(values: np.ndarray) -> bytes:
+    """Non-negative integers (< 2**35) -> their concatenated protobuf varints."""
+    v = values.astype(np.int64)
+    if not v.size:
+        return b""
+    top = int(v.max())
+    if top < 0x80:  # every id one byte
+        return v.astype(np.uint8).tobytes()
+    size = np.ones(v.shape[0], dtype=np.int64)
+    width = 1
+    for bits in (7, 14, 21, 28):
+        if top >= 1 << bits:
+            size += v >= (1 << bits)
+            width += 1
+    grid = np.empty((v.shape[0], width), dtype=np.uint8)
+    for j in range(width):
+        grid[:, j] = ((v >> (7 * j)) & 0x7F) | ((size > j + 1) << 7)
+    return grid[np.arange(width)[None, :] < size[:, None]].tobytes()
+
+
+def _unvarints(buf: bytes) -> np.ndarray:
+    """Concatenated protobuf varints -> int32 values (two's complement, as protobuf reads an int32)."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    if not a.size:
+        return np.zeros(0, np.int32)
+    last = a < 0x80
+    if last.all():  # every value one byte
+        return a.astype(np.int32)
+    ends = np.flatnonzero(last)
+    if ends.size == 0 or ends[-1] != a.size - 1:
+        raise ValueError("truncated varint")
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    group = np.zeros(a.size, dtype=np.int64)
+    group[starts[1:]] = 1
+    pos = np.arange(a.size) - starts[np.cumsum(group)]
+    if pos.max() > 9:
+        raise ValueError("varint too long")
+    payload = (a.astype(np.uint64) & np.uint64(0x7F)) << (7 * pos).astype(np.uint64)
+    return np.bitwise_or.reduceat(payload, starts).astype(np.int64).astype(np.int32)
+
+
+def _support_row(s) -> tuple[np.ndarray, np.ndarray]:
+    """One SparseDistribution -> (ids int32, probs float32) from its wire bytes (packed, as this process's
+    protobuf writes them; any other layout takes the plain path)."""
+    b = s.SerializeToString()
+    ids = probs = None
+    i = 0
+    try:
+        while i < len(b):
+            tag = b[i]
+            i += 1
+            n, shift = 0, 0
+            while True:
+                byte = b[i]
+                i += 1
+                n |= (byte & 0x7F) << shift
+                shift += 7
+                if byte < 0x80:
+                    break
+            if tag == 0x0A and ids is None:
+                ids = _unvarints(b[i:i + n])
+            elif tag == 0x12 and probs is None:
+                probs = np.frombuffer(b[i:i + n], dtype="<f4")
+            else:
+                raise ValueError("unexpected field")
+            i += n
+    except (ValueError, IndexError):
+        return np.asarray(list(s.token_ids), dtype=np.int32), np.asarray(list(s.probs), dtype=np.float32)
+    return (np.zeros(0, np.int32) if ids is None else ids), (np.zeros(0, np.float32) if probs is None else probs)
 
 
 def supports_from_proto(supports, num_tokens: int, field: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,17 +237,18 @@ def supports_from_proto(supports, num_tokens: int, field: str) -> tuple[torch.Te
     if len(supports) != num_tokens:
         raise InvalidArgument(f"{field}.draft_supports", f"{len(supports)} supports",
                               f"must hold one support per draft token ({num_tokens})")
-    k = max(len(s.token_ids) for s in supports)
-    ids = torch.zeros((num_tokens, k), dtype=torch.long)
-    probs = torch.zeros((num_tokens, k), dtype=torch.float32)
-    for i, s in enumerate(supports):
-        if len(s.token_ids) != len(s.probs) or not s.token_ids:
-            raise InvalidArgument(f"{field}.draft_supports[{i}]", f"{len(s.token_ids)} ids, {len(s.probs)} probs",
+    rows = [_support_row(s) for s in supports]
+    k = max(len(r_ids) for r_ids, _ in rows)
+    ids = np.zeros((num_tokens, k), dtype=np.int64)
+    probs = np.zeros((num_tokens, k), dtype=np.float32)
+    for i, (r_ids, r_probs) in enumerate(rows):
+        if len(r_ids) != len(r_probs) or not len(r_ids):
+            raise InvalidArgument(f"{field}.draft_supports[{i}]", f"{len(r_ids)} ids, {len(r_probs)} probs",
                                   "must hold as many probs as token_ids, at least one")
-        ids[i, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
-        ids[i, len(s.token_ids):] = s.token_ids[0]
-        probs[i, : len(s.probs)] = torch.tensor(list(s.probs))
-    return ids, probs
+        ids[i, : len(r_ids)] = r_ids
+        ids[i, len(r_ids):] = r_ids[0]
+        probs[i, : len(r_probs)] = r_probs
+    return torch.from_numpy(ids), torch.from_numpy(probs)
 
 
 def block_to_proto(block: DraftBlock, item) -> None:
@@ -201,12 +297,16 @@ def proposal_to_proto(prop: Proposal, max_tokens: int, out: types_pb2.Proposal) 
     confidences (without a confidence head: each draft token's own draft probability)."""
     n = min(len(prop.tokens), max_tokens)
     out.draft_token_ids.extend(int(t) for t in prop.tokens[:n])
-    draft_probs = [1.0] * n
     if prop.support_ids is not None:
         supports_to_proto(prop.support_ids[:n], prop.support_probs[:n], out.draft_supports)
-        for r, d in enumerate(out.draft_supports):
-            draft_probs[r] = sum(q for t, q in zip(d.token_ids, d.probs) if t == prop.tokens[r])
-    out.confidences.extend(prop.confidences[:n].tolist() if prop.confidences is not None else draft_probs)
+    if prop.confidences is not None:
+        out.confidences.extend(prop.confidences[:n].tolist())
+    elif prop.support_ids is not None and n:  # each draft token's own draft probability
+        ids, probs = prop.support_ids[:n].to("cpu"), prop.support_probs[:n].to("cpu", torch.float32)
+        tokens = torch.tensor([int(t) for t in prop.tokens[:n]], dtype=ids.dtype)[:, None]
+        out.confidences.extend(((ids == tokens) * probs).sum(-1).tolist())
+    else:
+        out.confidences.extend([1.0] * n)
 
 
 def proposal_from_proto(p: types_pb2.Proposal, field: str = "proposal") -> Proposal:

@@ -68,6 +68,9 @@ DESIRED_REPLICAS = Gauge("dspark_desired_replicas", "Desired replicas per pool, 
 FAILOVERS = Counter("dspark_failovers", "Requests moved to another replica after a failure", ["pool"])
 DRAFTLESS_ROUNDS = Counter("dspark_draftless_rounds",
                            "Request rounds verified without drafts because no drafter could draft for them")
+STAGE_SECONDS = Counter("dspark_scheduler_stage_seconds",
+                        "Engine-thread wall time by stage of the step (services/scheduler/stages.py)", ["stage"])
+STEPS = Counter("dspark_scheduler_steps", "Engine steps the scheduler ran")
 REDIS_UP = Gauge("dspark_redis_up", "1 when the last Redis operation succeeded")
 
 # -- verifier and drafter

@@ -48,6 +48,8 @@ class DrafterAppConfig:
     redis_password: str | None = None
     redis_ca: str | None = None
     coalesce_wait_s: float = 0.002
+    # wait coalesce_wait_s before every forward even for a lone scheduler (tests that want slow rounds)
+    coalesce_wait_alone: bool = False
     # a context nobody proposed for this long is dropped (its scheduler is gone); 0 = never
     idle_ttl_s: float = 300.0
 
@@ -68,7 +70,7 @@ class DrafterApp(PodLifecycle):
     def __init__(self, config: DrafterAppConfig):
         self._init_pod("drafter", config, SERVICE_NAME, config.drafter_id,
                        lambda pod_id, ex: DrafterServicer(pod_id, ex, config.max_active, config.coalesce_wait_s,
-                                                          config.max_per_caller),
+                                                          config.max_per_caller, wait_alone=config.coalesce_wait_alone),
                        drafter_service_pb2_grpc.add_DrafterServiceServicer_to_server)
 
     def _load(self):

@@ -62,14 +62,15 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
     batch_invariant_seeds = True
 
     def __init__(self, drafter_id: str, executor: Executor, max_active: int = 1024, coalesce_wait_s: float = 0.002,
-                 max_per_caller: int | None = None, evict_idle_s: float = 10.0):
+                 max_per_caller: int | None = None, evict_idle_s: float = 10.0, wait_alone: bool = False):
         self.drafter = None
         self.drafter_id, self.executor, self.max_active = drafter_id, executor, max_active
         # keyed by caller + request id (services.common.identity); `owned` has their last-use times
         self.contexts: dict[str, _Context] = {}
         self.owned = OwnedTable(max_active, max_per_caller, evict_idle_s)
         self.step_time, self.tokens_per_step = Ewma(), Ewma()
-        self._propose = Coalescer(self._propose_batch, executor, max_wait_s=coalesce_wait_s)
+        # waits for company only while several schedulers call (services/common/batcher.py)
+        self._propose = Coalescer(self._propose_batch, executor, max_wait_s=coalesce_wait_s, wait_alone=wait_alone)
 
     def attach(self, drafter) -> None:
         self.drafter = drafter
@@ -238,7 +239,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 log.warning("propose item %d refused: %s", i, exc)
                 job.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, f"{f} is malformed", 0)
             jobs.append(job)
-        out, queued = await self._propose.submit(jobs)
+        out, queued = await self._propose.submit(jobs, caller)
         resp = types_pb2.ProposeResponse()
         stats = None
         for j, o in zip(jobs, out):

@@ -4,7 +4,8 @@ gRPC / HTTP handlers (asyncio) talk to it only through thread-safe calls: `submi
 concurrent Future with the request id, or the dspark_core error that refused it), `cancel()`; each
 request's updates go to its `sink`, called on the engine thread (handlers forward them to their event
 loop). After each step it records metrics and request checkpoints (written to Redis by a background
-writer, so Redis never stalls a round) and, once a second, the load summaries and autoscaling signal.
+writer, so Redis never stalls a round) and, once a second, the load summaries and autoscaling signal
+(read on the engine thread, published to Redis from a thread of their own).
 Knows nothing about protos or text.
 """
 
@@ -29,6 +30,7 @@ from ..common import metrics
 from ..common.errors import Unavailable
 from ..common.registry import Registry
 from ..common.tracing import tracer
+from .stages import CLOCK
 
 log = logging.getLogger("dspark.engine_loop")
 
@@ -114,6 +116,7 @@ class EngineLoop:
         self._pods_capacity = pods_capacity
         self.autoscaler = autoscaler  # optional: services.scheduler.autoscaler.Autoscaler
         self._scaling: threading.Thread | None = None
+        self._publishing: threading.Thread | None = None  # the load publication of the last second
         self._failures = 0  # consecutive failed steps
         self._failing_since: float | None = None  # monotonic time of the first of them
         self.max_step_failures = 3
@@ -143,6 +146,8 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout)
+        if self._publishing is not None:  # a publication in flight finishes before Redis is closed
+            self._publishing.join(2.0)
         if self._writer:
             self._writer.stop()
         if self._rounds_buffer:
@@ -176,10 +181,13 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             block = not self.engine.has_work
+            t_wait = time.perf_counter()
             try:
                 cmd = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
             except queue.Empty:
                 cmd = False
+            if block:
+                CLOCK.add("idle", time.perf_counter() - t_wait)
             while cmd is not False:
                 if cmd is None:
                     return
@@ -190,7 +198,8 @@ class EngineLoop:
                     cmd = False
             if self.engine.has_work:
                 self._step()
-            self._periodic()
+            with CLOCK.time("loop.periodic"):
+                self._periodic()
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "group":
@@ -237,10 +246,13 @@ class EngineLoop:
         links = [trace.Link(t.span_context) for t in list(self._tracked.values())[:32]
                  if t.span_context is not None and t.span_context.is_valid]
         t_step = time.time_ns()
+        before = CLOCK.snapshot()[1]
+        t0 = time.perf_counter()
         try:
             with tracer.start_as_current_span("engine.step", links=links):
                 events = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failure of the step itself (requests at fault fail alone)
+            CLOCK.add("engine.failed", time.perf_counter() - t0)
             # nothing was committed and every request is still queued or active (dspark_core.engine): retry,
             # for the verifier grace period when no verifier is reachable, else a few times; then fail them
             now = time.monotonic()
@@ -261,6 +273,36 @@ class EngineLoop:
             return
         self._failures = 0
         self.steps += 1
+        self._account(before, time.perf_counter() - t0)
+        t_events = time.perf_counter()
+        t_ck = [0.0]
+        try:
+            self._after_step(events, t_step, t_ck)
+        finally:
+            CLOCK.add("loop.checkpoint", t_ck[0])
+            CLOCK.add("loop.events", time.perf_counter() - t_events - t_ck[0])
+
+    def _account(self, before: dict, wall: float) -> None:
+        """Stage times of the step just run (services/scheduler/stages.py): the engine's own timings, split
+        further by what the remote stand-ins measured inside them."""
+        CLOCK.step()
+        after = CLOCK.snapshot()[1]
+        accounted = 0.0
+        for stage, (a, b) in self._times.items():
+            d = (b - a) / 1e9
+            accounted += d
+            call = {"draft": "propose", "verify": "verify"}.get(stage)
+            sub = 0.0
+            if call is not None:
+                sub = sum(after.get(f"{call}.{x}", 0.0) - before.get(f"{call}.{x}", 0.0)
+                          for x in ("serialize", "rpc", "deserialize"))
+            if sub > 0:
+                CLOCK.add(f"{call}.other", d - sub)
+            else:
+                CLOCK.add(stage, d)
+        CLOCK.add("engine.other", wall - accounted)
+
+    def _after_step(self, events, t_step: int, t_ck: list) -> None:
         self._watch()
         now = time.perf_counter()
         for ev in events:
@@ -306,14 +348,22 @@ class EngineLoop:
                 if self._writer:
                     self._writer.put(ev.request_id, None)
             elif self._writer and self._checkpoint:
-                ck = self._checkpoint(ev.request_id)
-                if ck is not None:
-                    if t.adopted:  # keep the client's view: original prompt, everything generated since
-                        n = len(ck["prompt_ids"]) - t.adopted
-                        ck["prompt_ids"], ck["generated"] = ck["prompt_ids"][:n], ck["prompt_ids"][n:] + ck["generated"]
-                    ck.update(scheduler=self.scheduler_id, updated=time.time())
-                    self._writer.put(ev.request_id, ck)
+                t_c = time.perf_counter()
+                self._put_checkpoint(ev.request_id, t)
+                t_ck[0] += time.perf_counter() - t_c
             t.sink(upd)
+
+    def _put_checkpoint(self, rid: str, t: _Tracked) -> None:
+        """Hand the request's checkpoint to the background writer (it may reach Redis a step late: a resume
+        reads it only when it is current, else the scheduler's own copy, so resumes stay exact)."""
+        ck = self._checkpoint(rid)
+        if ck is None:
+            return
+        if t.adopted:  # keep the client's view: original prompt, everything generated since
+            n = len(ck["prompt_ids"]) - t.adopted
+            ck["prompt_ids"], ck["generated"] = ck["prompt_ids"][:n], ck["prompt_ids"][n:] + ck["generated"]
+        ck.update(scheduler=self.scheduler_id, updated=time.time())
+        self._writer.put(rid, ck)
 
     def _watch(self) -> None:
         """Metrics of the engine's monitors after a step: per-position expected vs accepted tokens, what the
@@ -428,15 +478,35 @@ class EngineLoop:
         self._watch_gauges()
         if self._pods_capacity is None:
             return
+        if self._publishing is not None and self._publishing.is_alive():
+            return  # the last publication is still talking to Redis: skip this second rather than queue
         try:
-            self._publish_load()
+            caps = self._pods_capacity()  # the engine's state, read here on its own thread
         except Exception:  # noqa: BLE001 - load signals are advisory
             log.exception("load publication failed")
+            return
+        waiting = len(self.engine.waiting)
+        if self.target_user_tps is not None:  # the live table is the engine thread's to read
+            caps = dict(caps, engine_sps=self._engine_sps())
+        # the Redis round trips (demand, budgets, desired replicas) never hold up a step
+        self._publishing = threading.Thread(target=self._publish_quietly, args=(caps, waiting), name="load-publisher",
+                                            daemon=True)
+        self._publishing.start()
+
+    def _publish_quietly(self, caps: dict, waiting: int) -> None:
+        try:
+            self._publish_load(caps, waiting)
+        except Exception:  # noqa: BLE001 - load signals are advisory
+            log.exception("load publication failed")
+
+    def _engine_sps(self):
+        eng = self.engine
+        return eng.online_sps.table(eng._mean_context()) if eng.online_sps is not None else eng.sps
 
     def _speed_plan(self, caps: dict, waiting: int):
         """The replicas that hold --target-user-tps at the current load (dspark_core.capacity), or None."""
         eng = self.engine
-        sps = eng.online_sps.table(eng._mean_context()) if eng.online_sps is not None else eng.sps
+        sps = caps["engine_sps"] if "engine_sps" in caps else self._engine_sps()
         if self.target_user_tps is None or sps is None or not hasattr(sps, "for_requests"):
             return None
         from dspark_core.capacity import DemandForecast, DraftCost, plan_replicas
@@ -469,10 +539,11 @@ class EngineLoop:
                                "predicted_user_tps": plan.predicted_user_tps})
         return plan
 
-    def _publish_load(self) -> None:
-        """Demand per verifier and desired replicas per pool (also the dspark_desired_replicas gauge)."""
+    def _publish_load(self, caps: dict | None = None, waiting: int | None = None) -> None:
+        """Demand per verifier and desired replicas per pool (also the dspark_desired_replicas gauge).
+        `caps` / `waiting`: what the engine thread read (None: read them now)."""
         # {"verifier": [(capacity, active_requests), ...], "drafter": [...], "demand": {verifier_id: (mass, n)}}
-        caps = self._pods_capacity()
+        caps = self._pods_capacity() if caps is None else caps
         demand = caps.get("demand", {})
         if self.registry is not None:
             for vid, (mass, nreq, rows) in demand.items():
@@ -480,7 +551,7 @@ class EngineLoop:
                 self.registry.publish_demand(vid, self.scheduler_id, mass, nreq, rows)
             if self.budgets is not None:
                 self.budgets.update(demand, caps.get("sps", {}))
-        waiting = len(self.engine.waiting)
+        waiting = len(self.engine.waiting) if waiting is None else waiting
         plan = self._speed_plan(caps, waiting)
         for pool in ("verifier", "drafter"):
             pods = caps.get(pool, [])

@@ -38,6 +38,7 @@ from ..common.identity import CALLER_METADATA
 from ..common.registry import Registry
 from ..common.tracing import outgoing_metadata, tracer
 from .pods import Pod, PodPool, is_pod_failure
+from .stages import CLOCK
 
 log = logging.getLogger("dspark.remote")
 MAX_ATTEMPTS = 3
@@ -62,6 +63,22 @@ def _raise_status(exc: grpc.RpcError, where: str):
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         raise InvalidArgument(where, msg, "was refused by the verifier") from None
     raise Unavailable(f"{where}: {code.name}: {msg}") from None
+
+
+def _rpc_stages(call: str, pod: str, t_sent: float | None, later: float, server: list) -> None:
+    """Stage times of one round of `call` RPCs (services/scheduler/stages.py): from the first call's start to
+    the last answer read, less the reading (`server[2:]`) and the protos built for the other pods meanwhile
+    (`later`), is `call`.rpc, of which the pods reported `server[0]` forward and `server[1]` queueing; the
+    rest is transport (starting the call, the wire, gRPC and the pod's own protos on both sides)."""
+    if t_sent is None:
+        return
+    read = sum(server[2:])
+    rpc = time.perf_counter() - t_sent - read - later
+    CLOCK.add(f"{call}.rpc", rpc)
+    CLOCK.add(f"{call}.deserialize", read)
+    CLOCK.add(f"{pod}.forward", server[0])
+    CLOCK.add(f"{pod}.queue", server[1])
+    CLOCK.add(f"{call}.transport", rpc - server[0] - server[1])
 
 
 @dataclass
@@ -250,12 +267,28 @@ class RemoteVerifier:
                              exclude={req.pod.address} if req.pod else set())
             by_pod.setdefault(req.pod.address, []).append(i)
         futures = []
+        t_sent, later = None, 0.0  # the first call's start; the protos built for the other pods after it
         for addr, idx in by_pod.items():
             pod = self.pool.get(addr) or self.requests[items[idx[0]].request_id].pod
+            t0 = time.perf_counter()
             msg = types_pb2.VerifyRequest()
             for i in idx:
                 verify_item_to_proto(items[i], msg.items.add())
+            t1 = time.perf_counter()
             futures.append((pod, idx, pod.stub.Verify.future(msg, timeout=self.timeout_s, metadata=md)))
+            CLOCK.add("verify.serialize", t1 - t0)
+            CLOCK.add("verify.send", time.perf_counter() - t1)
+            if t_sent is None:
+                t_sent = t1
+            else:
+                later += t1 - t0
+        server = [0.0, 0.0]  # the longest forward and queue any pod reported (the pods run in parallel)
+        try:
+            return self._verify_results(items, futures, results, retry, last, server)
+        finally:
+            _rpc_stages("verify", "verifier", t_sent, later, server)
+
+    def _verify_results(self, items, futures, results, retry, last: bool, server: list) -> list[int]:
         for pod, idx, fut in futures:
             try:
                 resp = fut.result()
@@ -268,6 +301,9 @@ class RemoteVerifier:
                     self._resume(items[i].request_id, req, items[i].anchor_pos, exclude={pod.address})
                 retry.extend(idx)
                 continue
+            server[0] = max(server[0], resp.stats.forward_seconds)
+            server[1] = max(server[1], resp.stats.queue_seconds)
+            t_read = time.perf_counter()
             metrics.VERIFY_BUDGET.labels(verifier=pod.id).set(sum(len(items[i].draft.tokens) for i in idx))
             for i, r in zip(idx, resp.results):
                 it = items[i]
@@ -283,6 +319,7 @@ class RemoteVerifier:
                     raise ResourceExhausted(f"verify {it.request_id}: {r.error_message}")
                 else:
                     raise InvalidArgument(f"verify item {it.request_id}", r.error_message, "was refused by the verifier")
+            server.append(time.perf_counter() - t_read)
         return retry
 
     def release(self, request_id: str) -> bool:
@@ -447,10 +484,26 @@ class RemoteDrafter:
         for i in todo:
             by_pod.setdefault(items[i].state.pod.address, []).append(i)
         futures = []
+        t_sent, later = None, 0.0  # the first call's start; the protos built for the other pods after it
         for addr, idx in by_pod.items():
             pod = items[idx[0]].state.pod
+            t0 = time.perf_counter()
             msg = types_pb2.ProposeRequest(items=[self._item(items[i], seeds[i]) for i in idx])
+            t1 = time.perf_counter()
             futures.append((pod, idx, pod.stub.Propose.future(msg, timeout=self.timeout_s, metadata=md)))
+            CLOCK.add("propose.serialize", t1 - t0)
+            CLOCK.add("propose.send", time.perf_counter() - t1)
+            if t_sent is None:
+                t_sent = t1
+            else:
+                later += t1 - t0
+        server = [0.0, 0.0]
+        try:
+            return self._propose_results(items, futures, out, last, md, server)
+        finally:
+            _rpc_stages("propose", "drafter", t_sent, later, server)
+
+    def _propose_results(self, items, futures, out, last: bool, md, server: list) -> list[int]:
         retry = []
         for pod, idx, fut in futures:
             try:
@@ -462,6 +515,9 @@ class RemoteDrafter:
                 for i in idx:
                     self._move(items, i, pod, out, retry)
                 continue
+            server[0] = max(server[0], resp.stats.forward_seconds)
+            server[1] = max(server[1], resp.stats.queue_seconds)
+            t_read = time.perf_counter()
             for i, p in zip(idx, resp.proposals):
                 h: DraftHandle = items[i].state
                 if p.status == types_pb2.ITEM_STATUS_OK:
@@ -478,6 +534,7 @@ class RemoteDrafter:
                     self._move(items, i, pod, out, retry)
                 else:
                     raise InvalidArgument(f"propose item {h.request_id}", p.error_message, "was refused by the drafter")
+            server.append(time.perf_counter() - t_read)
         return retry
 
     def _move(self, items, i: int, pod: Pod, out: list, retry: list) -> None:

@@ -50,6 +50,8 @@ class VerifierConfig:
     redis_password: str | None = None
     redis_ca: str | None = None
     coalesce_wait_s: float = 0.002
+    # wait coalesce_wait_s before every forward even for a lone scheduler (tests that want slow rounds)
+    coalesce_wait_alone: bool = False
     # a request untouched (no prefill / verify / resume) this long is released; 0 = never. A live
     # scheduler touches its requests every round (well under a second), and one whose verifier forgot a
     # request resumes it, so the only cost of a short TTL is a Resume after a very long stall.
@@ -119,7 +121,7 @@ class VerifierApp(PodLifecycle):
     def __init__(self, config: VerifierConfig):
         self._init_pod("verifier", config, SERVICE_NAME, config.verifier_id,
                        lambda pod_id, ex: VerifierServicer(pod_id, ex, config.max_active, config.coalesce_wait_s,
-                                                           config.max_per_caller),
+                                                           config.max_per_caller, wait_alone=config.coalesce_wait_alone),
                        verifier_service_pb2_grpc.add_VerifierServiceServicer_to_server,
                        max_receive_bytes=MAX_REQUEST_BYTES)  # it sends features, never receives them
 

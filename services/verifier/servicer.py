@@ -55,7 +55,7 @@ def _item_error(exc: Exception) -> _ItemError:
 
 class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
     def __init__(self, verifier_id: str, executor: Executor, max_active: int = 256, coalesce_wait_s: float = 0.002,
-                 max_per_caller: int | None = None, evict_idle_s: float = 10.0):
+                 max_per_caller: int | None = None, evict_idle_s: float = 10.0, wait_alone: bool = False):
         self.verifier: Verifier | None = None
         self.target: TargetRuntime | None = None
         self.verifier_id, self.executor, self.max_active = verifier_id, executor, max_active
@@ -65,7 +65,8 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self.step_time, self.tokens_per_step = Ewma(), Ewma()
         # (caller + request id) -> last prefill / verify / resume; the Verifier's slots are keyed the same way
         self.owned = OwnedTable(max_active, max_per_caller, evict_idle_s)
-        self._verify = Coalescer(self._verify_batch, executor, max_wait_s=coalesce_wait_s)
+        # Verify waits for company only while several schedulers call (services/common/batcher.py)
+        self._verify = Coalescer(self._verify_batch, executor, max_wait_s=coalesce_wait_s, wait_alone=wait_alone)
         self._prefill = Coalescer(self._prefill_batch, executor, max_wait_s=coalesce_wait_s)
 
     def attach(self, verifier: Verifier, target: TargetRuntime, sps_points=()) -> None:
@@ -255,7 +256,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
                 entries.append(_ItemError(types_pb2.ITEM_STATUS_INVALID_ARGUMENT, str(exc)))
         if not entries:
             raise InvalidArgument("items", [], "must hold at least one VerifyItem")
-        out, queued = await self._verify.submit(entries)
+        out, queued = await self._verify.submit(entries, caller)
         resp = types_pb2.VerifyResponse()
         stats = None
         for i, o in enumerate(out):

@@ -83,6 +83,42 @@ def test_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
     assert len(err) == 1 and flag in err[0] and err[0].startswith("dspark bench: error:")
 
 
+@pytest.mark.parametrize("args,flag", [
+    (["--policy", "fixed,causal"], "--policy"),  # one scheduler runs one policy
+    (["--plot", "x.png"], "--plot"),
+    (["--profile-sps"], "--profile-sps"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_distributed_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
+    rc = main(["bench", "--distributed", "--target", str(tiny_target_dir), *args])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and err[0].startswith("dspark bench: error:")
+
+
+@pytest.mark.slow
+def test_distributed_bench_over_real_processes_json_contract(tiny_stack, capsys):
+    """Both deployments as real processes (redis, verifier, drafter, scheduler; serve all), same prompts."""
+    s = tiny_stack
+    rc = main(["bench", "--distributed", "--target", s["target"], "--drafter-path", s["drafter"],
+               "--dataset", s["data"], "--concurrency", "1,2", "--num-prompts", "3", "--max-new-tokens", "8",
+               "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r["distributed_vs_embedded"]) == {"1", "2"} and all(v > 0 for v in r["distributed_vs_embedded"].values())
+    assert r["outputs_match"] is True  # greedy: the same tokens in both modes
+    assert {(x["mode"], x["concurrency"]) for x in r["results"]} == {
+        (m, c) for m in ("embedded", "distributed") for c in (1, 2)}
+    dist, emb = r["stage_breakdown"]["distributed"]["1"], r["stage_breakdown"]["embedded"]["1"]
+    assert dist["steps"] > 0 and emb["steps"] > 0
+    for stage in ("propose.rpc", "verify.rpc", "drafter.forward", "verifier.forward", "verify.transport"):
+        assert dist["seconds_per_step"][stage] > 0
+    assert emb["seconds_per_step"]["draft"] > 0 and "verify.rpc" not in emb["seconds_per_step"]
+    assert 0 <= dist["pod_idle_share"]["drafter"] < 1 and not emb["pod_idle_share"]
+    assert r["config"]["policy"] == "fixed"
+
+
 def test_bad_policy_exits_2_from_the_command_line():
     proc = subprocess.run([sys.executable, "-m", "dspark_cli.main", "bench", "--policy", "fast,ar"],
                           capture_output=True, text=True, timeout=120)

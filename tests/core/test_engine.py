@@ -172,7 +172,7 @@ def test_observer_gets_one_record_per_step_aligned_with_the_round(tiny_target_di
     assert [o.output_ids for o in outs] == expected  # a policy of its own changes nothing but speed
     assert [r.step for r in records] == list(range(1, engine.num_steps + 1))
     first = records[0]
-    assert first.admitted == (outs[0].request_id,) and set(first.timings) == {"prefill", "draft", "verify"}
+    assert first.admitted == (outs[0].request_id,) and set(first.timings) == {"prefill", "draft", "schedule", "verify"}
     rounds = [r for r in records if r.request_ids]
     assert [list(r.request_ids) for r in rounds] == seen  # the policy saw the rows' requests, in order
     for r in rounds:

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from dspark_core.errors import InvalidArgument, ModelLoadError, NotFound, ResourceExhausted
 from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
@@ -181,3 +182,41 @@ def test_proposal_and_block_conversions_round_trip_and_name_the_field():
     del item.draft_supports[1]
     with pytest.raises(InvalidArgument, match=r"^items\[0\]\.draft_supports "):
         block_from_proto(item, "items[0]")
+
+
+def _plain_supports_to_proto(ids, probs, out):
+    for a, b in zip(ids.tolist(), probs.float().tolist()):
+        d = out.add()
+        d.token_ids.extend(a)
+        d.probs.extend(b)
+
+
+@pytest.mark.parametrize("k,high", [(1, 10), (7, 128), (300, 16384), (4096, 4096), (50, 2**21 + 5), (9, 2**31 - 1)])
+def test_fast_support_conversions_write_and_read_the_plain_protobuf_bytes(k, high):
+    """Supports go through numpy (issue 21): the bytes are those protobuf writes itself, and what is read back is
+    what was sent, for ids of every varint width."""
+    from dspark_protos.dspark.v1 import types_pb2
+    from services.common.convert import supports_from_proto, supports_to_proto
+
+    g = torch.Generator().manual_seed(k)
+    ids, probs = torch.randint(0, high, (7, k), generator=g), torch.rand(7, k, generator=g)
+    fast, plain = types_pb2.Proposal(), types_pb2.Proposal()
+    supports_to_proto(ids, probs, fast.draft_supports)
+    _plain_supports_to_proto(ids, probs, plain.draft_supports)
+    assert fast.SerializeToString() == plain.SerializeToString()
+    got_ids, got_probs = supports_from_proto(plain.draft_supports, 7, "p")
+    assert torch.equal(got_ids, ids) and torch.equal(got_probs, probs)
+
+
+def test_support_reading_pads_ragged_rows_and_keeps_negative_ids_for_the_checks_downstream():
+    from dspark_protos.dspark.v1 import types_pb2
+    from services.common.convert import supports_from_proto
+
+    m = types_pb2.Proposal()
+    m.draft_supports.add(token_ids=[5, 300, 3], probs=[0.5, 0.3, 0.2])
+    m.draft_supports.add(token_ids=[-4], probs=[1.0])
+    ids, probs = supports_from_proto(m.draft_supports, 2, "p")
+    assert ids.tolist() == [[5, 300, 3], [-4, -4, -4]] and probs[1].tolist() == [1.0, 0.0, 0.0]
+    m.draft_supports.add(token_ids=[1, 2], probs=[1.0])
+    with pytest.raises(InvalidArgument, match=r"draft_supports\[2\]"):
+        supports_from_proto(m.draft_supports, 3, "p")

@@ -70,7 +70,7 @@ def _wait(pred, timeout, what):
 def test_only_drafter_gone_requests_continue_then_draft_again(aio, redis_server, fixtures_dir, long_greedy):
     t, d = fixtures_dir / "target", fixtures_dir / "dspark"
     # the verifier waits 30 ms for company before each forward: rounds last long enough to watch
-    v = cluster.verifier(aio, t, d, redis_server.url, "v-f1", coalesce_wait_s=0.03)
+    v = cluster.verifier(aio, t, d, redis_server.url, "v-f1", coalesce_wait_s=0.03, coalesce_wait_alone=True)
     d1 = cluster.drafter(aio, d, redis_server.url, "d-f1")
     s = cluster.scheduler(aio, redis_url=redis_server.url)
     d2 = None
@@ -100,7 +100,7 @@ def test_only_drafter_gone_requests_continue_then_draft_again(aio, redis_server,
 
 def test_only_verifier_gone_and_back_within_grace_loses_nothing(aio, redis_server, fixtures_dir, long_greedy):
     t, d = fixtures_dir / "target", fixtures_dir / "dspark"
-    v1 = cluster.verifier(aio, t, d, redis_server.url, "v-g1", coalesce_wait_s=0.03)
+    v1 = cluster.verifier(aio, t, d, redis_server.url, "v-g1", coalesce_wait_s=0.03, coalesce_wait_alone=True)
     dr = cluster.drafter(aio, d, redis_server.url, "d-g1")
     s = cluster.scheduler(aio, redis_url=redis_server.url, verifier_grace_s=30.0)
     v2 = None
@@ -125,7 +125,7 @@ def test_only_verifier_gone_and_back_within_grace_loses_nothing(aio, redis_serve
 
 def test_past_the_grace_requests_fail_and_http_streams_end_with_an_error_and_done(aio, fixtures_dir, reference):
     t = fixtures_dir / "target"
-    v = cluster.verifier(aio, t, coalesce_wait_s=0.03)
+    v = cluster.verifier(aio, t, coalesce_wait_s=0.03, coalesce_wait_alone=True)
     s = cluster.scheduler(aio, verifier_addresses=(f"127.0.0.1:{v.port}",), use_drafter=False,
                           verifier_grace_s=0.5, http_port=0, http_host="127.0.0.1")
     try:
