@@ -76,6 +76,11 @@ def resolve_target(name_or_dir: str | None, root: str | Path | None = None, home
     return str(p)
 
 
+# config.json key of a shipped drafter that `--drafter auto` passes over (its value says why, e.g. "still in
+# training: slower than decoding without it"); `--drafter NAME` still loads it
+NOT_AUTO_KEY = "dspark_not_default"
+
+
 def target_name(target_dir: str | Path | None, root: str | Path | None = None,
                 home: str | Path | None = None) -> str | None:
     """Which named target (`tiny`, `smollm2`) a directory is, None for any other (None = the default's name)."""
@@ -114,8 +119,14 @@ def resolve_drafter_path(name: str | None, path: str | None, root: str | Path | 
         p = shipped / "dspark"
         if not (p / "config.json").exists():
             return None
+        from .drafters.config import load_config
+
+        held = load_config(p).extra.get(NOT_AUTO_KEY)
+        if held:  # shipped, but not yet worth decoding with by default (its card says why)
+            if say is not None:
+                say(f"the shipped drafter {p} is not used by default ({held}); --drafter dspark uses it")
+            return None
         if target_dir is not None:
-            from .drafters.config import load_config
             from .drafters.target_record import read_target_shape, shape_mismatch
 
             what = shape_mismatch(load_config(p), read_target_shape(target_dir))

@@ -27,6 +27,9 @@ def main() -> None:
     p.add_argument("--models-dir", default=str(Path(__file__).resolve().parents[1] / "models"))
     p.add_argument("--reference-target", action="store_true",
                    help="store only the drafter's own tensors; embedding / LM head come from the target at load time")
+    p.add_argument("--not-default", default=None, metavar="WHY",
+                   help="`--drafter auto` passes this drafter over and says WHY (e.g. it is still slower than "
+                        "decoding without a drafter); `--drafter NAME` still uses it")
     p.add_argument("--target-name", default=None,
                    help="record the target by this name (e.g. smollm2) instead of the run's path")
     args = p.parse_args()
@@ -54,6 +57,8 @@ def main() -> None:
         config["target_model_name_or_path"] = str(Path(target).resolve().relative_to(root))
     if args.reference_target:
         config["target_tensors"] = "referenced"
+    if args.not_default:
+        config["dspark_not_default"] = args.not_default
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in ("training_card.json",):
         if (run / name).exists():
