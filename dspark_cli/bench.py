@@ -29,6 +29,14 @@ from .options import (DRAFTER_CHOICES, add_device_args, add_matmul_dtype_arg, ad
 DEFAULT_DATASETS = ("mbpp.jsonl", "livecodebench.jsonl")
 
 
+def _write_result(result: dict, out: str | None) -> str:
+    """The result as one JSON line, also written to `out` (parents created) when given."""
+    text = json.dumps(result)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    return text
+
 def default_datasets() -> list[str]:
     root = Path(__file__).resolve().parents[1] / "data" / "dev"
     return [str(root / name) for name in DEFAULT_DATASETS]
@@ -296,10 +304,7 @@ def run(args) -> int:
                      "time runs from add to finish (prefill included, no queueing); batch 1 interleaved per "
                      "prompt across policies and HF modes; speedups are medians of paired per-prompt ratios"),
     }
-    text = json.dumps(result)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    text = _write_result(result, args.out)
     if args.plot:
         plot = Path(args.plot)
         plot.parent.mkdir(parents=True, exist_ok=True)
@@ -352,10 +357,7 @@ def run_distributed(args, settings) -> int:
                      "distributed, closed loop over gRPC GenerateUnary with max(prompts, 2 x concurrency) requests; "
                      "stage_breakdown: deltas of dspark_scheduler_stage_seconds_total over the load windows"),
     }
-    text = json.dumps(result)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    text = _write_result(result, args.out)
     print(text if args.json else dist_summary(result))
     return 0
 

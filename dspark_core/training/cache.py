@@ -190,6 +190,7 @@ class TargetCache:
                 by_id[sid] = (si, row)
         self._index = [by_id[k] for k in sorted(by_id)]
         self._open: dict[int, dict[str, torch.Tensor]] = {}
+        self._lse_checksum: str | None = None  # set by ensure_target_lse: items then carry target_lse
 
     def __len__(self) -> int:
         return len(self._index)
@@ -211,7 +212,7 @@ class TargetCache:
             with safe_open(str(self.path / name), framework="pt") as f:
                 self._open[si] = {k: f.get_tensor(k) for k in f.keys()}
             lse = self.path / (name + LSE_SUFFIX)
-            if getattr(self, "_lse_checksum", None) and lse.is_file():
+            if self._lse_checksum and lse.is_file():
                 with safe_open(str(lse), framework="pt") as f:
                     if (f.metadata() or {}).get("lm_head") == self._lse_checksum:
                         self._open[si]["target_lse"] = f.get_tensor("lse")

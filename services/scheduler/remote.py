@@ -65,6 +65,32 @@ def _raise_status(exc: grpc.RpcError, where: str):
     raise Unavailable(f"{where}: {code.name}: {msg}") from None
 
 
+def _send_per_pod(call: str, groups, build, send) -> tuple[list, float | None, float]:
+    """Build and start one call per pod: groups [(pod, item indices)], build(indices) -> message,
+    send(pod, message) -> future. Returns ([(pod, indices, future)], the first call's start, the proto-building
+    time spent after it) and books `<call>.serialize` / `<call>.send`."""
+    futures, t_sent, later = [], None, 0.0
+    for pod, idx in groups:
+        t0 = time.perf_counter()
+        msg = build(idx)
+        t1 = time.perf_counter()
+        futures.append((pod, idx, send(pod, msg)))
+        CLOCK.add(f"{call}.serialize", t1 - t0)
+        CLOCK.add(f"{call}.send", time.perf_counter() - t1)
+        if t_sent is None:
+            t_sent = t1
+        else:
+            later += t1 - t0
+    return futures, t_sent, later
+
+
+def _verify_message(items, idx):
+    msg = types_pb2.VerifyRequest()
+    for i in idx:
+        verify_item_to_proto(items[i], msg.items.add())
+    return msg
+
+
 def _rpc_stages(call: str, pod: str, t_sent: float | None, later: float, server: list) -> None:
     """Stage times of one round of `call` RPCs (services/scheduler/stages.py): from the first call's start to
     the last answer read, less the reading (`server[2:]`) and the protos built for the other pods meanwhile
@@ -266,22 +292,11 @@ class RemoteVerifier:
                 self._resume(items[i].request_id, req, items[i].anchor_pos,
                              exclude={req.pod.address} if req.pod else set())
             by_pod.setdefault(req.pod.address, []).append(i)
-        futures = []
-        t_sent, later = None, 0.0  # the first call's start; the protos built for the other pods after it
-        for addr, idx in by_pod.items():
-            pod = self.pool.get(addr) or self.requests[items[idx[0]].request_id].pod
-            t0 = time.perf_counter()
-            msg = types_pb2.VerifyRequest()
-            for i in idx:
-                verify_item_to_proto(items[i], msg.items.add())
-            t1 = time.perf_counter()
-            futures.append((pod, idx, pod.stub.Verify.future(msg, timeout=self.timeout_s, metadata=md)))
-            CLOCK.add("verify.serialize", t1 - t0)
-            CLOCK.add("verify.send", time.perf_counter() - t1)
-            if t_sent is None:
-                t_sent = t1
-            else:
-                later += t1 - t0
+        groups = [(self.pool.get(addr) or self.requests[items[idx[0]].request_id].pod, idx)
+                  for addr, idx in by_pod.items()]
+        futures, t_sent, later = _send_per_pod(
+            "verify", groups, lambda idx: _verify_message(items, idx),
+            lambda pod, msg: pod.stub.Verify.future(msg, timeout=self.timeout_s, metadata=md))
         server = [0.0, 0.0]  # the longest forward and queue any pod reported (the pods run in parallel)
         try:
             return self._verify_results(items, futures, results, retry, last, server)
@@ -483,20 +498,10 @@ class RemoteDrafter:
         by_pod: dict[str, list[int]] = {}
         for i in todo:
             by_pod.setdefault(items[i].state.pod.address, []).append(i)
-        futures = []
-        t_sent, later = None, 0.0  # the first call's start; the protos built for the other pods after it
-        for addr, idx in by_pod.items():
-            pod = items[idx[0]].state.pod
-            t0 = time.perf_counter()
-            msg = types_pb2.ProposeRequest(items=[self._item(items[i], seeds[i]) for i in idx])
-            t1 = time.perf_counter()
-            futures.append((pod, idx, pod.stub.Propose.future(msg, timeout=self.timeout_s, metadata=md)))
-            CLOCK.add("propose.serialize", t1 - t0)
-            CLOCK.add("propose.send", time.perf_counter() - t1)
-            if t_sent is None:
-                t_sent = t1
-            else:
-                later += t1 - t0
+        futures, t_sent, later = _send_per_pod(
+            "propose", [(items[idx[0]].state.pod, idx) for idx in by_pod.values()],
+            lambda idx: types_pb2.ProposeRequest(items=[self._item(items[i], seeds[i]) for i in idx]),
+            lambda pod, msg: pod.stub.Propose.future(msg, timeout=self.timeout_s, metadata=md))
         server = [0.0, 0.0]
         try:
             return self._propose_results(items, futures, out, last, md, server)
