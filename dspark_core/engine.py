@@ -38,7 +38,7 @@ from .errors import InvalidArgument, NotFound, ResourceExhausted
 from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord
 from .sampling import SamplingParams, TokenHistory, TokenLogprob, make_generator
 from .target import TargetRuntime
-from .verification import DraftBlock, process_draft
+from .verification import DraftBlock, couple_draft, process_draft
 from .verifier import PrefillItem, StepResult, Verifier, VerifyItem
 
 # log-width of the buckets in which the drafting-time EMA shares a derived cost table (~5%)
@@ -82,9 +82,12 @@ class EngineConfig:
     # 0 and False give the paper's literal walk
     causal_slack: float = scheduling.CAUSAL_SLACK
     causal_lookahead: bool = True
-    # a seeded sampled request runs its target pass alone, so that its stream does not depend on what else
-    # is batched (bit-for-bit reproducible per seed). False batches it with the rest: the same distribution,
-    # reproducible only up to the batch's rounding, and ~10x the throughput at batch 16 on a CPU (distillation).
+    # a seeded sampled request's output is a function of its seed alone: it runs its target pass alone (its
+    # logits do not depend on what else is batched) and is verified by position-keyed coupling (its tokens do
+    # not depend on how many were drafted or verified; `verification.couple_draft`). False batches it with the
+    # rest and verifies it by plain speculative sampling from its seeded streams: the same distribution, a
+    # higher acceptance, reproducible only for the same batches and lengths, and ~10x the throughput at batch
+    # 16 on a CPU (distillation, eval and bench measure the paper's algorithm this way).
     isolate_seeded: bool = True
 
     def __post_init__(self):
@@ -574,7 +577,8 @@ class Engine:
             items.append(ProposeItem(
                 state=r.draft_state, new_features=r.pending_features, new_positions_start=r.pending_start,
                 new_tokens=r.pending_tokens, anchor=r.anchor, anchor_pos=r.anchor_pos,
-                temperature=r.params.temperature, generator=r.draft_generator if r.seeded else None))
+                temperature=r.params.temperature, generator=r.draft_generator if r.seeded else None,
+                coupling_seed=r.params.seed if self._coupled(r) else None))
         start = time.perf_counter()
         with rec.stage("draft"):
             proposals = self._propose(items)
@@ -612,8 +616,16 @@ class Engine:
                 # the prefix including the drafts before each slot, min_tokens, min-p): verification then
                 # compares the penalised target against exactly that processed q
                 block = process_draft(block, r.params, TokenHistory(r.prompt_ids, r.output_ids), r.draft_generator)
+            if self._coupled(r):
+                # a seeded request is verified by position-keyed coupling: its drafts re-drawn with the same
+                # noise survive whenever the target's draw there is the same token
+                block = couple_draft(block, r.params.seed, r.anchor_pos + 1, self.target.vocab_size)
             blocks.append(block)
         return blocks, confs
+
+    def _coupled(self, r: RequestState) -> bool:
+        """Whether `r` is verified by position-keyed coupling (a seeded sampled request, in serving)."""
+        return r.seeded and not r.params.greedy and self.config.isolate_seeded
 
     def _lengths(self, confs: list[list[float]], request_ids: list[str]) -> list[int]:
         """The policy's lengths, overridden by what the monitors decided from earlier steps (never from this
@@ -638,19 +650,10 @@ class Engine:
         return lengths
 
     def _propose(self, items) -> list:
-        """One batched propose, except that each seeded sampled request drafts in a pass of its own: batched
-        matmuls round differently with the batch's shape (and a drafter may switch kernels with it), and a
-        seeded request's drafts must not depend on what else runs. A drafter that sees to this itself (the
-        drafter service) says so with `batch_invariant_seeds`."""
-        alone = [i for i, it in enumerate(items) if it.generator is not None and it.temperature > 0]
-        if not alone or getattr(self.drafter, "batch_invariant_seeds", False):
-            return self.drafter.propose(items)
-        rest = [i for i in range(len(items)) if i not in set(alone)]
-        out: list = [None] * len(items)
-        for idx in [[i] for i in alone] + ([rest] if rest else []):
-            for i, p in zip(idx, self.drafter.propose([items[i] for i in idx])):
-                out[i] = p
-        return out
+        """One batched propose for every request. Seeded sampled requests need no pass of their own: their
+        output is a function of their seed (position-keyed coupling, `couple_draft`), so batching changes at
+        most how many of their drafts survive."""
+        return self.drafter.propose(items)
 
     # -- convenience
     def run(self) -> None:

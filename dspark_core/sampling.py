@@ -4,8 +4,9 @@
 top-k, then top-p, then min-p, in Hugging Face's order and with its tie and boundary rules),
 `sample_from_probs` makes one inverse-CDF draw that consumes exactly one uniform number, and `sample_token`
 is plain autoregressive sampling built from the two. Verification (`dspark_core.verification`) uses the same
-primitives, so a request's output depends only on its seed, never on batching or on how many tokens were
-drafted.
+primitives. A seeded request draws instead through `coupling_noise` / `coupled_choice`: one exponential race
+per absolute position, keyed by (seed, position), so its output depends only on its seed, never on batching
+or on how many tokens were drafted.
 
 A request's own processing depends on what came before the position being sampled: `process_logits`
 applies the repetition, frequency and presence penalties and `min_tokens` to raw logits, one row per
@@ -293,6 +294,47 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     else:
         generator.manual_seed(int(seed))
     return generator
+
+
+# keeps the coupling streams apart from the generators derive_seed keys for the same (seed, position)
+_COUPLING_SALT = 0xC0FFEE5EED
+
+
+def coupling_noise(seed: int, position: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[size] float64 Exp(1) variates E_v for the token at absolute `position` of a seeded request: a function
+    of (seed, position) alone, drawn on the CPU whatever the device.
+
+    A seeded sampled request commits at each position the token `coupled_choice(p, E)` = argmax_v p_v / E_v
+    (the exponential race, i.e. Gumbel-max): exactly one draw from p, and the drafter's tokens are re-drawn
+    from their own q with the same E (`dspark_core.verification.couple_draft`), so a draft is accepted when
+    both races pick the same token. Each committed token therefore depends on the seed, its position and the
+    distribution there alone, never on how many tokens were drafted or verified around it.
+    """
+    if not _is_int(seed) or not 0 <= seed < _MAX_SEED:
+        raise InvalidArgument("seed", seed, "must be an integer in [0, 2**64)")
+    if not _is_int(position) or position < 0:
+        raise InvalidArgument("position", position, "must be an integer >= 0")
+    g = torch.Generator(device="cpu")
+    g.manual_seed(derive_seed(seed, position) ^ _COUPLING_SALT)
+    u = torch.rand(size, generator=g, dtype=torch.float64)
+    # 1 - u lies in (0, 1]: E = -log(1 - u) is finite and >= 0; E = 0 (u = 0) wins outright, as it should
+    return (-torch.log1p(-u)).to(device)
+
+
+def coupled_choice(
+    # [size] non-negative weights (normalised or not)
+    weights: torch.Tensor,
+    # [size] coupling_noise for this position, or the noise at the weights' token ids
+    noise: torch.Tensor,
+) -> int:
+    """The index the exponential race picks: argmax weights / noise over the indices with weight > 0 (a
+    categorical draw from the normalised weights). Raises InvalidArgument when no weight is positive."""
+    w = weights.double()
+    score = torch.where(w > 0, w / noise.to(w.device), torch.full_like(w, -1.0))
+    best = int(score.argmax())
+    if not w[best] > 0:
+        raise InvalidArgument("weights", "all zero", "must have a positive total mass")
+    return best
 
 
 def _uniform(generator: torch.Generator, device: torch.device) -> torch.Tensor:

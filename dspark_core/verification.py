@@ -5,7 +5,11 @@ from, decide which drafts to keep and which token comes next, so that the commit
 distributed exactly as plain sampling from the target (temperature, top-k and top-p applied by
 `dspark_core.sampling.target_probs`). Greedy requests accept while the draft equals the target argmax
 and draw no random numbers; sampled requests draw one uniform per tested draft and one for the final
-token, so a request with no drafts draws exactly what `sample_token` would.
+token, so a request with no drafts draws exactly what `sample_token` would. A seeded sampled request
+given its position (`verify_block(..., position=)`) is verified by coupling instead: the target's token at
+each absolute position is the exponential race of (seed, position) (`dspark_core.sampling.coupled_choice`),
+a draft is kept iff it equals that token, and `couple_draft` re-draws the drafts with the same noise, so the
+output depends on the seed alone, not on how many tokens were drafted or verified.
 
 A request's own processing (penalties, min_tokens: `dspark_core.sampling.process_logits`) makes row i's
 distribution depend on the request's history and on the drafts d_1..d_i in front of it, so verification
@@ -31,8 +35,8 @@ import torch
 
 from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import (SamplingParams, TokenHistory, TokenLogprob, _inverse_cdf, _is_int, _uniform,
-                                  process_logits, sample_from_probs, sampling_logprobs, target_probs,
-                                  token_logprobs)
+                                  coupled_choice, coupling_noise, process_logits, sample_from_probs,
+                                  sampling_logprobs, target_probs, token_logprobs)
 
 _ROW_SUM_TOLERANCE = 1e-3  # a draft row summing further from 1 is a caller bug (logits passed as probs, ...)
 _MIN_RESIDUAL_MASS = 1e-12  # below this, max(0, p - q) is rounding noise: sample from p instead
@@ -198,6 +202,53 @@ def _verify_sampled(
     return _finish(accepted, sample_from_probs(probs[n], generator), stop)
 
 
+def _verify_coupled(
+    # [n + 1, vocab_size] after process_logits
+    target_logits: torch.Tensor,
+    draft: DraftBlock,
+    params: SamplingParams,
+    # absolute position of the token row 0 predicts (the anchor's position + 1)
+    position: int,
+) -> VerifyOutcome:
+    """A seeded request: row i commits x_i = the exponential race over p_i with the noise of (seed, position
+    + i); draft d_i is accepted iff d_i == x_i, else x_i is the round's last token. Each committed token is one
+    exact draw from the target there whatever was drafted (drafts decide only how many rows one pass
+    commits), so the output equals the request's own autoregressive decode with the same seed."""
+    tokens, stop = draft.tokens, params.stop_token_ids
+    probs = target_probs(target_logits, params)  # [n + 1, vocab_size] float32
+    accepted: list[int] = []
+    for i in range(len(tokens) + 1):
+        x = coupled_choice(probs[i], coupling_noise(params.seed, position + i, probs.shape[1]))
+        if i == len(tokens) or tokens[i] != x:
+            return _finish(accepted, x, stop)
+        accepted.append(x)
+        if x in stop:
+            return VerifyOutcome(len(accepted), tuple(accepted), True)
+    raise AssertionError("unreachable")
+
+
+def couple_draft(draft: DraftBlock, seed: int, position: int, vocab_size: int) -> DraftBlock:
+    """The block with each draft re-drawn from its own q_k by the exponential race of (seed, position + k),
+    the noise the verification of a seeded request uses at that position: a draft then survives exactly when
+    the target's race picks the same token (an acceptance of at least (1 - TV) / (1 + TV) per slot, against
+    1 - TV for independent speculative sampling). The supports are kept; a block without one (greedy) is
+    returned unchanged. Only acceptance depends on this: verification of a seeded request is exact for any
+    drafts."""
+    if not draft.tokens or draft.support_ids is None:
+        return draft
+    assert draft.support_probs is not None
+    ids = draft.support_ids.long().cpu()
+    q = draft.support_probs.cpu()
+    if int(ids.max()) >= vocab_size:
+        raise InvalidArgument("support_ids", int(ids.max()), f"must be < vocab_size {vocab_size}")
+    tokens = []
+    for k in range(len(draft.tokens)):
+        # the noise of the whole vocabulary at this position (as verification draws it), read at the support
+        noise = coupling_noise(seed, position + k, vocab_size)[ids[k]]
+        tokens.append(int(ids[k, coupled_choice(q[k], noise)]))
+    return DraftBlock(tokens=tuple(tokens), support_ids=draft.support_ids, support_probs=draft.support_probs)
+
+
 def _check_block(num_rows: int, vocab_size: int, draft: DraftBlock, params: SamplingParams,
                  name: str, value: object) -> None:
     n = len(draft.tokens)
@@ -223,13 +274,16 @@ def _with_logprobs(outcome: VerifyOutcome, processed: torch.Tensor, params: Samp
 
 
 def _verify_one(logits: torch.Tensor, draft: DraftBlock, params: SamplingParams, generator: torch.Generator,
-                history: TokenHistory | None, argmax: list[int] | None = None) -> VerifyOutcome:
+                history: TokenHistory | None, argmax: list[int] | None = None,
+                position: int | None = None) -> VerifyOutcome:
     """`logits` [n + 1, vocab_size] raw; `argmax` of those rows when the caller has it already."""
     processed = process_logits(logits, params, history, draft.tokens)
     if params.greedy:
         if argmax is None or processed is not logits:
             argmax = processed.argmax(dim=-1).tolist()
         outcome = _verify_greedy(draft.tokens, argmax, params.stop_token_ids)
+    elif params.seed is not None and position is not None:
+        outcome = _verify_coupled(processed, draft, params, position)
     else:
         outcome = _verify_sampled(processed, draft, params, generator)
     return _with_logprobs(outcome, processed, params)
@@ -244,6 +298,9 @@ def verify_block(
     # the request's prompt and generated tokens up to and including the anchor (needed with penalties or
     # min_tokens: row i is processed with history + d_1..d_i)
     history: TokenHistory | None = None,
+    # absolute position of the token row 0 predicts (anchor position + 1): with it, a seeded sampled request
+    # is verified by position-keyed coupling (`_verify_coupled`) instead of drawing from `generator`
+    position: int | None = None,
 ) -> VerifyOutcome:
     """Verify one request's draft block; the committed tokens are distributed as plain sampling from the
     request's processed target."""
@@ -251,7 +308,9 @@ def verify_block(
         raise InvalidArgument("target_logits", tuple(target_logits.shape), "must be 2-D [n + 1, vocab_size]")
     _check_block(target_logits.shape[0], target_logits.shape[1], draft, params,
                  "target_logits", tuple(target_logits.shape))
-    return _verify_one(target_logits, draft, params, generator, history)
+    if position is not None and (not _is_int(position) or position < 0):
+        raise InvalidArgument("position", position, "must be None or an integer >= 0")
+    return _verify_one(target_logits, draft, params, generator, history, position=position)
 
 
 def verify_batch(
@@ -263,6 +322,8 @@ def verify_batch(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
     histories: Sequence[TokenHistory | None] | None = None,
+    # per request, as `verify_block`'s `position`
+    positions: Sequence[int | None] | None = None,
 ) -> list[VerifyOutcome]:
     """Verify a ragged batch: request r owns rows cu_seqlens[r]:cu_seqlens[r + 1] of `logits`.
 
@@ -284,13 +345,16 @@ def verify_batch(
     histories = [None] * num_requests if histories is None else list(histories)
     if len(histories) != num_requests:
         raise InvalidArgument("histories", len(histories), f"must have one entry per request ({num_requests})")
+    positions = [None] * num_requests if positions is None else list(positions)
+    if len(positions) != num_requests:
+        raise InvalidArgument("positions", len(positions), f"must have one entry per request ({num_requests})")
     argmax = logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else None
     outcomes = []
     for r in range(num_requests):
         start, end = offsets[r], offsets[r + 1]
         _check_block(end - start, vocab_size, drafts[r], params[r], f"cu_seqlens[{r}:{r + 2}]", [start, end])
         outcomes.append(_verify_one(logits[start:end], drafts[r], params[r], generators[r], histories[r],
-                                    argmax[start:end] if argmax is not None else None))
+                                    argmax[start:end] if argmax is not None else None, positions[r]))
     return outcomes
 
 

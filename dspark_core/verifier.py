@@ -149,11 +149,16 @@ class Verifier:
             logits, taps = out[r]
             # the first token is a round with no drafts: exactly plain sampling, with the request's processing
             first = verify_block(logits[:1], DraftBlock(tokens=()), s.params, s.generator,
-                                 s.history(len(s.tokens)))
+                                 s.history(len(s.tokens)), position=self._position(len(it.prompt_ids)))
             s.tokens.extend(first.tokens)
             results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, taps, 0,
                                       list(it.prompt_ids), _listed(first.logprobs)))
         return results
+
+    def _position(self, position: int) -> int | None:
+        """The position verification keys a seeded request's coupling by; None (plain speculative sampling
+        from the request's seeded streams) when seeded requests are not isolated."""
+        return position if self.isolate_seeded else None
 
     def _forward(self, batch: list, params: list[SamplingParams], **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """target.forward over [(sequence, tokens)] -> [(logits, taps)] per entry, except that each seeded
@@ -223,7 +228,8 @@ class Verifier:
                 # round, or one batched differently, draws the same numbers
                 s.generator = make_generator(derive_seed(s.params.seed, it.anchor_pos))
             logits, taps = out[i]
-            outcome = verify_block(logits, it.draft, s.params, s.generator, s.history(len(s.tokens)))
+            outcome = verify_block(logits, it.draft, s.params, s.generator, s.history(len(s.tokens)),
+                                   position=self._position(it.anchor_pos + 1))
             a = outcome.num_accepted
             self.target.truncate(s.seq, it.anchor_pos + a + 1)
             s.tokens.extend(outcome.tokens)

@@ -47,6 +47,10 @@ class ProposeItem:
     anchor_pos: int  # == new_positions_start + n_new
     temperature: float = 0.0  # 0 = greedy (argmax, no randomness)
     generator: torch.Generator | None = None
+    # a seeded sampled request verified by position-keyed coupling: slot k is drawn by the exponential race
+    # of (coupling_seed, anchor_pos + 1 + k), as verification draws the target's token there (None: drawn
+    # with a uniform from `generator`)
+    coupling_seed: int | None = None
 
 
 @dataclass
@@ -133,6 +137,29 @@ def validate_items(items: list[ProposeItem], state_type: type, feature_size: int
         t = it.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise InvalidArgument(f"{where}.temperature", t, "must be a finite number >= 0")
+
+
+@dataclass
+class Coupling:
+    """The noise of the batch rows drawn by coupling (`ProposeItem.coupling_seed`)."""
+
+    rows: torch.Tensor  # [n] long
+    noise: torch.Tensor  # [n, gamma, vocab] float64 Exp(1): slot k of row j = coupling_noise(seed, anchor_pos + 1 + k)
+
+    def at(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows, self.noise[:, k]
+
+
+def draw_coupling(items: list[ProposeItem], gamma: int, vocab_size: int, device: torch.device) -> Coupling | None:
+    """The coupling noise of every sampled item with a `coupling_seed` (None when there is none)."""
+    from dspark_core.sampling import coupling_noise
+
+    rows = [i for i, it in enumerate(items) if it.coupling_seed is not None and it.temperature > 0]
+    if not rows:
+        return None
+    noise = torch.stack([torch.stack([coupling_noise(items[i].coupling_seed, items[i].anchor_pos + 1 + k, vocab_size)
+                                      for k in range(gamma)]) for i in rows])
+    return Coupling(torch.tensor(rows, dtype=torch.long, device=device), noise.to(device))
 
 
 def draw_uniforms(items: list[ProposeItem], gamma: int, device: torch.device) -> torch.Tensor | None:

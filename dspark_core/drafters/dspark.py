@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_core.drafters.backbone import ParallelBackbone
-from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_uniforms,
+from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_coupling, draw_uniforms,
                                       validate_items)
 from dspark_core.drafters.config import ARCH_DSPARK, DrafterConfig
 from dspark_core.drafters.heads import ConfidenceHead, build_markov_head
@@ -165,16 +165,18 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         hidden = self.forward_block(caches, anchors, positions)  # [B, gamma, H]
         temperatures = torch.tensor([float(it.temperature) for it in items], dtype=torch.float32, device=dev)
         uniforms = draw_uniforms(items, self.block_size, dev)  # [B, gamma] or None
-        return self.run_heads(hidden, self.lm_head(hidden), anchors, temperatures, uniforms)
+        coupling = draw_coupling(items, self.block_size, self.config.vocab_size, dev)
+        return self.run_heads(hidden, self.lm_head(hidden), anchors, temperatures, uniforms, coupling=coupling)
 
     def run_heads(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.Tensor,
                   temperatures: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
-                  teacher_prev: torch.Tensor | None = None) -> BlockDraft:
+                  teacher_prev: torch.Tensor | None = None, coupling=None) -> BlockDraft:
         """The sequential part: gamma steps over the batch.
 
         hidden [B, gamma, H]; base_logits [B, gamma, V]; anchors [B]; temperatures [B] (None = greedy);
         uniforms [B, gamma] (None = all greedy); teacher_prev [B, gamma] replaces the chosen previous
-        tokens (teacher forcing; slot 0's entry is normally the anchor).
+        tokens (teacher forcing; slot 0's entry is normally the anchor); coupling (`base.Coupling`) the rows
+        drawn by the exponential race.
         """
         b, gamma, _ = hidden.shape
         if temperatures is None:
@@ -194,7 +196,8 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
             if markov is not None:
                 bias, state = markov.step(hidden[:, k], prev_emb, state)
                 logits = logits + bias
-            choice = choose(logits, None if uniforms is None else uniforms[:, k])
+            choice = choose(logits, None if uniforms is None else uniforms[:, k],
+                            None if coupling is None else coupling.at(k))
             logits_out.append(logits)
             tokens.append(choice.tokens)
             sup_ids.append(choice.support_ids)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dspark_core.drafters.backbone import register_draft_vocab
-from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_uniforms,
+from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_coupling, draw_uniforms,
                                       validate_items)
 from dspark_core.drafters.config import ARCH_EAGLE3, DrafterConfig
 from dspark_core.drafters.dspark import _check_support_size
@@ -182,11 +182,12 @@ class Eagle3Drafter(LocalStates, nn.Module):
 
     def chain(self, states: list[Eagle3State], anchor_positions: torch.Tensor,
               temperatures: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
-              teacher_tokens: torch.Tensor | None = None) -> ChainDraft:
+              teacher_tokens: torch.Tensor | None = None, coupling=None) -> ChainDraft:
         """Draft gamma tokens per request without touching the committed cache.
 
         anchor_positions [B]; temperatures [B] (None = greedy); uniforms [B, gamma]; teacher_tokens
-        [B, gamma - 1] replaces the tokens fed at steps 1..gamma-1 (teacher forcing).
+        [B, gamma - 1] replaces the tokens fed at steps 1..gamma-1 (teacher forcing); coupling
+        (`base.Coupling`) the rows drawn by the exponential race.
         """
         gamma, b, dev = self.block_size, len(states), self._device
         if temperatures is None:
@@ -206,7 +207,8 @@ class Eagle3Drafter(LocalStates, nn.Module):
                 past_k, past_v = torch.cat((past_k, kk), dim=2), torch.cat((past_v, vv), dim=2)
                 h = out[:, 0]
             logits = self.logits(h)  # [B, V]
-            choice = choose(logits, None if uniforms is None else uniforms[:, k])
+            choice = choose(logits, None if uniforms is None else uniforms[:, k],
+                            None if coupling is None else coupling.at(k))
             hiddens.append(h)
             logits_out.append(logits)
             tokens.append(choice.tokens)
@@ -275,7 +277,8 @@ class Eagle3Drafter(LocalStates, nn.Module):
         positions = torch.tensor([it.anchor_pos for it in items], dtype=torch.long, device=dev)
         temperatures = torch.tensor([float(it.temperature) for it in items], dtype=torch.float32, device=dev)
         uniforms = draw_uniforms(items, self.block_size, dev)
-        return self.chain([it.state for it in items], positions, temperatures, uniforms)
+        coupling = draw_coupling(items, self.block_size, self.config.vocab_size, dev)
+        return self.chain([it.state for it in items], positions, temperatures, uniforms, coupling=coupling)
 
     @torch.no_grad()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:

@@ -9,6 +9,11 @@ because lossless verification needs q on exactly the support the token came from
 With a draft vocabulary (`id_map` [V_d]: the target id of each logit column, ascending), logits are over those
 columns and everything returned (tokens, support ids) is mapped back to target ids.
 
+A row drawn by coupling (a seeded request that verification checks by position-keyed coupling) is chosen by
+the exponential race instead: argmax over its support of q / E, with E the Exp(1) noise of the slot's
+position at the support's target ids (`dspark_core.sampling.coupling_noise`): the same race verification
+runs on the target, so the draft survives whenever both pick the same token.
+
 Knows nothing about models or requests: rows in, tokens out.
 """
 
@@ -62,8 +67,10 @@ class TokenChooser:
     def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.id_map is None else self.id_map[ids]
 
-    def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> Choice:
-        """logits [B, V]; uniforms [B] in [0, 1) (None: every row greedy)."""
+    def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None,
+                 coupled: tuple[torch.Tensor, torch.Tensor] | None = None) -> Choice:
+        """logits [B, V]; uniforms [B] in [0, 1) (None: every row greedy); coupled (rows [n] long, noise
+        [n, vocab of target ids] float64): those sampled rows are drawn by the exponential race instead."""
         if uniforms is None:
             return Choice(self._to_target(logits.argmax(dim=-1)), None, None)
         greedy = logits.argmax(dim=-1) if self.any_greedy else None  # [B]
@@ -90,12 +97,28 @@ class TokenChooser:
             # descending, so entries with mass form a prefix); a drafted token must never have q = 0.
             last_with_mass = (probs > 0).sum(dim=-1, keepdim=True) - 1  # [B, 1]
             tokens = support.gather(1, torch.minimum(idx, last_with_mass)).squeeze(1)  # [B]
+        if coupled is not None:
+            tokens = self._race(tokens, support, probs, *coupled)
         if greedy is not None:
             tokens = torch.where(self.sampled_rows, tokens, greedy)
         if self.id_map is not None:
             tokens = self.id_map[tokens]
             support = self.target_ids if self.ids is not None else self.id_map[support]
         return Choice(tokens, support, probs)
+
+
+    def _race(self, tokens: torch.Tensor, support: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
+              noise: torch.Tensor) -> torch.Tensor:
+        """tokens [B] (columns) with `rows` replaced by argmax over their support of q / E."""
+        cols = support[rows]  # [n, V or k] logit columns
+        target = cols if self.id_map is None else self.id_map[cols]
+        e = noise.gather(1, target)  # [n, V or k]
+        q = probs[rows].double()
+        score = torch.where(q > 0, q / e, torch.full_like(q, -1.0))
+        won = cols.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)  # [n]
+        tokens = tokens.clone()
+        tokens[rows] = won
+        return tokens
 
 
 def choose_tokens(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor | None,

@@ -1,7 +1,8 @@
 """A request's failure ends that request only: a batched prefill or verify that throws because of one
 request's input is retried without it; a failure of the call itself (nobody's input) leaves every request
-queued or active, committing nothing, for the caller to retry. Seeded requests draft in passes of their own,
-so their output does not depend on what else runs."""
+queued or active, committing nothing, for the caller to retry. Seeded requests are verified by
+position-keyed coupling (and run their target passes alone), so their output does not depend on what else
+runs or on how many tokens were drafted."""
 
 from __future__ import annotations
 
@@ -116,6 +117,30 @@ def test_seeded_sampled_output_does_not_depend_on_the_batch(stack):
 
     alone = run(0)
     assert len(alone) == 24 and run(5) == alone == run(2)
+
+
+def test_seeded_sampled_output_does_not_depend_on_the_verification_length_or_the_drafter(stack):
+    """Position-keyed coupling: the committed token at each position is the seed's draw from the target
+    there, so autoregressive decoding, one draft per round, seven per round, batched beside other sampled
+    traffic or drafted by no drafter at all give the same tokens."""
+    target, drafter = stack
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=7, max_new_tokens=24)
+
+    def run(policy: str, others: int = 0, use_drafter=True):
+        engine = Engine(target, drafter if use_drafter else None, EngineConfig(policy=policy))
+        rid = engine.add_request(PROMPTS[2], seeded)
+        for i in range(others):
+            engine.add_request(PROMPTS[i % 2], SamplingParams(temperature=1.0, max_new_tokens=24))
+        engine.run()
+        return engine.requests[rid].output_ids
+
+    ar = run("ar", use_drafter=False)
+    assert len(ar) == 24
+    assert run("fixed") == ar == run("gamma1")
+    assert run("fixed", others=3) == ar
+    # and it is a sample, not a fixed sequence: another seed draws other tokens
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=8, max_new_tokens=24)
+    assert run("fixed") != ar
 
 
 def test_tokens_committed_by_a_step_that_then_failed_are_reported_by_the_next(stack):

@@ -62,13 +62,16 @@ def uniform_target(tmp_path_factory):
     return TargetRuntime(TargetConfig(str(path), device="cpu", dtype="float32"))
 
 
-def first_drafted_position_zero_rate(target, policy: str) -> float:
-    """Fraction of requests whose second output token (the first one a draft could cover) is token 0."""
+def first_drafted_position_zero_rate(target, policy: str, coupled: bool = False) -> float:
+    """Fraction of requests whose second output token (the first one a draft could cover) is token 0.
+    Seeded requests are verified by plain speculative sampling (the paper's algorithm, whose losslessness
+    rests on the policy), or with `coupled` by serving's position-keyed coupling."""
     # test-only: the biased search is never a registered policy, only one handed to the engine
     biased = (lambda confs, sps, request_ids: scheduling.retrospective_global_schedule(confs, SPS)
               ) if policy == "retrospective" else None
     engine = Engine(target, SlotDependentDrafter(), EngineConfig(policy="fixed" if policy == "retrospective" else policy,
-                                                                  max_active=1, max_waiting=DRAWS), sps=SPS,
+                                                                  max_active=1, max_waiting=DRAWS,
+                                                                  isolate_seeded=coupled), sps=SPS,
                     policy=biased)
     rids = [engine.add_request([1, 2, 3], SamplingParams(temperature=1.0, seed=i, max_new_tokens=2))
             for i in range(DRAWS)]
@@ -101,3 +104,12 @@ def test_retrospective_global_search_biases_the_output(uniform_target):
     rate = first_drafted_position_zero_rate(uniform_target, "retrospective")
     assert abs(rate - biased) < 4 * sigma, rate
     assert abs(rate - p0) > 4 * sigma
+
+
+def test_position_keyed_coupling_keeps_the_distribution_even_under_the_biased_search(uniform_target):
+    """Coupled verification commits the seed's own draw at every position whatever is verified, so not even
+    a policy that reads the drafts can bias it."""
+    p0 = 1 / V
+    sigma = math.sqrt(p0 * (1 - p0) / DRAWS)
+    rate = first_drafted_position_zero_rate(uniform_target, "retrospective", coupled=True)
+    assert abs(rate - p0) < 4 * sigma, rate

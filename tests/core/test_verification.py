@@ -19,7 +19,8 @@ import torch
 from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import (SamplingParams, TokenHistory, make_generator, process_logits, sample_token,
                                   target_probs)
-from dspark_core.verification import DraftBlock, VerifyOutcome, process_draft, verify_batch, verify_block
+from dspark_core.verification import (DraftBlock, VerifyOutcome, couple_draft, process_draft, verify_batch,
+                                      verify_block)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -401,6 +402,80 @@ def test_first_two_tokens_follow_the_target_not_the_draft(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_first_two_tokens_follow_the_target_not_the_draft_full_size(case):
     _check_lossless(case, draws=120_000, tolerance=0.01)
+
+
+# ------------------------------------------------------------- seeded requests: position-keyed coupling
+
+def _coupled_rounds(pair: ToyPair, draws: int, position: int = 5):
+    """Counts [V * V] of the first two tokens when draw s is a request seeded with s: each round's block is
+    drafted by the toy drafter (its own random stream, Markov rows conditioned on its own tokens, as a real
+    drafter's are), re-drawn by `couple_draft`, verified with the round's position. Also returns the
+    first-slot acceptance rate over rounds that tested a draft at the first position."""
+    size, params = pair.case.vocab_size, pair.case.params
+    rng = random.Random(pair.case.seed)
+    counts = [0] * (size * size)
+    tested = accepted = 0
+    for s in range(draws):
+        seeded = dataclasses.replace(params, seed=s)
+        emitted: list[int] = []
+        row = 0
+        while len(emitted) < 2:
+            drafted, r = [], row
+            for _ in range(rng.choice(pair.case.draft_lengths)):
+                t = pair.draft_token(r, rng)
+                drafted.append(t)
+                r = 1 + t
+            rows = torch.tensor([row] + [1 + t for t in drafted[:-1]], dtype=torch.long)[:len(drafted)]
+            block = DraftBlock(tuple(drafted), pair.draft_ids[rows], pair.draft_probs[rows])
+            block = couple_draft(block, s, position + len(emitted), size)
+            logits = pair.logits[torch.tensor([row] + [1 + t for t in block.tokens])]
+            out = verify_block(logits, block, seeded, make_generator(0), position=position + len(emitted))
+            if not emitted and block.tokens:
+                tested += 1
+                accepted += out.num_accepted > 0
+            emitted += out.tokens
+            row = 1 + emitted[-1]
+        counts[emitted[0] * size + emitted[1]] += 1
+    return torch.tensor(counts, dtype=torch.float64), accepted / max(1, tested)
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: c.name)
+def test_seeded_coupled_verification_follows_the_target_and_keeps_most_of_the_acceptance(case):
+    draws = 12_000
+    tolerance = 0.01 * math.sqrt(120_000 / draws)
+    pair = ToyPair(case)
+    target, draft = pair.joint(pair.target), pair.joint(pair.draft)
+    assert _expected_noise(target, draws) < 0.7 * tolerance
+    counts, first_slot = _coupled_rounds(pair, draws)
+    empirical = counts / draws
+    to_target, to_draft = _total_variation(empirical, target), _total_variation(empirical, draft)
+    assert to_target <= tolerance, (case.name, to_target)
+    assert to_target < to_draft / 10, (case.name, to_target, to_draft)
+    # the exponential-race coupling keeps at least (1 - TV) / (1 + TV) of the first slot's drafts
+    tv = _total_variation(pair.target[0], pair.draft[0])
+    assert first_slot >= (1 - tv) / (1 + tv) - 0.03, (case.name, first_slot, tv)
+
+
+def test_seeded_coupled_tokens_are_the_seeds_draw_whatever_was_drafted():
+    """The committed token at a position is the seed's race over the target there: no drafts, a rejected
+    draft and an accepted one give the same token, and different seeds spread over the distribution."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 10)
+    params = SamplingParams(temperature=0.9, seed=41)
+    gen = make_generator(0)
+    alone = verify_block(logits[:1], DraftBlock(()), params, gen, position=12).tokens[0]
+    ids = torch.arange(10)[None].expand(2, 10)
+    for d in range(10):
+        q = torch.full((2, 10), 0.1)
+        out = verify_block(torch.cat([logits[:1], logits[:2]]), DraftBlock((d, 0), ids, q), params, gen,
+                           position=12)
+        assert out.tokens[0] == alone
+        assert out.num_accepted == (1 + (out.tokens[1] == 0) if d == alone else 0)
+    seen = {verify_block(logits[:1], DraftBlock(()), dataclasses.replace(params, seed=s), gen,
+                         position=12).tokens[0] for s in range(200)}
+    assert len(seen) >= 5
+    with pytest.raises(InvalidArgument, match="position"):
+        verify_block(logits[:1], DraftBlock(()), params, gen, position=-1)
 
 
 # ------------------------------------------------------------- statistics with the request's own processing

@@ -1,8 +1,9 @@
 """Truncated top-k sampling converges to the renormalised top-k distribution; T = 0 is argmax."""
 
+import pytest
 import torch
 
-from dspark_core.drafters.sampling import choose_tokens
+from dspark_core.drafters.sampling import TokenChooser, choose_tokens
 
 
 def test_greedy_rows_take_the_argmax_and_return_no_support():
@@ -65,3 +66,31 @@ def test_full_vocabulary_draws_only_ids_with_mass_even_at_the_top_of_the_cdf():
     choice = choose_tokens(logits, torch.ones(64), uniforms, support_size=4096)
     q = choice.support_probs.gather(1, choice.tokens[:, None]).squeeze(1)
     assert (q > 0).all() and (choice.tokens % 97 == 0).all()
+
+
+@pytest.mark.parametrize("support_size, id_map", [(16, None), (5, None), (6, torch.tensor([1, 3, 4, 8, 10, 11]))])
+def test_coupled_rows_run_the_exponential_race_and_the_rest_are_unchanged(support_size, id_map):
+    """A coupled row's token is argmax over its support of q / E at the support's target ids (the race
+    verification runs); a sampled row beside it and a greedy row draw as before."""
+    from dspark_core.sampling import coupled_choice, coupling_noise
+
+    torch.manual_seed(0)
+    cols = 16 if id_map is None else 6
+    logits = torch.randn(3, cols) * 2
+    temps = torch.tensor([1.0, 0.8, 0.0])
+    u = torch.tensor([0.3, 0.6, 0.0])
+    noise = torch.stack([coupling_noise(5, 40, 16)])  # target vocabulary of 16 ids
+    rows = torch.tensor([0])
+    plain = choose_tokens(logits, temps, u, support_size, id_map)
+    chooser = TokenChooser(temps, support_size, cols, id_map)
+    coupled = chooser(logits, u, (rows, noise))
+    assert coupled.tokens[1:].tolist() == plain.tokens[1:].tolist()
+    ids, probs = coupled.support_ids[0], coupled.support_probs[0]
+    assert int(coupled.tokens[0]) == int(ids[coupled_choice(probs, noise[0][ids])])
+    # the race is a draw from q: over many positions it lands on several tokens, each in the support
+    seen = set()
+    for pos in range(60):
+        t = int(chooser(logits, u, (rows, coupling_noise(5, pos, 16)[None])).tokens[0])
+        assert t in ids.tolist()
+        seen.add(t)
+    assert len(seen) >= 3

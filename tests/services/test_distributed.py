@@ -43,7 +43,7 @@ def wait_until(pred, timeout=10.0, what="condition"):
         time.sleep(0.05)
 
 
-def embedded_greedy(fixtures_dir, prompts, n):
+def embedded_greedy(fixtures_dir, prompts, n, params=None, use_drafter=True):
     from dspark_core.drafters import load_drafter
     from dspark_core.engine import Engine, EngineConfig
     from dspark_core.sampling import SamplingParams
@@ -52,8 +52,9 @@ def embedded_greedy(fixtures_dir, prompts, n):
     drafter = load_drafter(fixtures_dir / "dspark")
     target = TargetRuntime(TargetConfig(str(fixtures_dir / "target"), device="cpu", dtype="float32",
                                         tap_layer_ids=tuple(drafter.target_layer_ids)))
-    engine = Engine(target, drafter, EngineConfig(policy="fixed"))
-    rids = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=n)) for p in prompts]
+    engine = Engine(target, drafter if use_drafter else None, EngineConfig(policy="fixed" if use_drafter else "ar"))
+    params = params or SamplingParams(temperature=0, max_new_tokens=n)
+    rids = [engine.add_request(p, params) for p in prompts]
     engine.run()
     return [engine.pop(r).output_ids for r in rids]
 
@@ -90,6 +91,19 @@ def test_seeded_sampling_through_services_is_reproducible(stack, reference):
     a = run(7)
     assert len(a) == 16 and a == run(7)
     assert any(run(s) != a for s in (8, 9, 10))
+
+
+def test_seeded_sampling_through_services_equals_the_same_seeds_autoregressive_decode(stack, reference,
+                                                                                      fixtures_dir):
+    """Position-keyed coupling across processes: the scheduler re-draws the drafter service's drafts, the
+    verifier service verifies by coupling, and the tokens are the seed's own autoregressive draws."""
+    from dspark_core.sampling import SamplingParams
+
+    prompt, _ = reference[0]
+    got = list(stack["stub"].GenerateUnary(ids_request(prompt, 16, temperature=1.0, seed=7), timeout=60).token_ids)
+    want = embedded_greedy(fixtures_dir, [prompt], 16, SamplingParams(temperature=1.0, seed=7, max_new_tokens=16),
+                           use_drafter=False)[0]
+    assert got == want
 
 
 def test_list_models_and_reflection(stack):
