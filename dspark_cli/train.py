@@ -143,6 +143,9 @@ def add_parser(sub) -> None:
                         "saved with the drafter; 0 = the whole vocabulary, the default). The LM head and Markov "
                         "output shrink to N rows, so steps and drafting get cheaper; the target mass outside "
                         "them is counted exactly in the loss (a one-time log-partition pass over the cache)")
+    g.add_argument("--layer-init", choices=("random", "target"), default="random",
+                   help="draft layers' initial weights: random (seeded, default) or target: copies of the target's "
+                        "last decoder layers, the context projection starting as the deepest tapped layer")
     g.add_argument("--greedy-confidence", action="store_true",
                    help="DSpark: also train a greedy confidence output (label: draft argmax == target argmax), "
                         "used for temperature-0 requests; with --init-from a checkpoint without one it starts "
@@ -221,7 +224,7 @@ def run(args) -> int:
         position_decay=args.position_decay, step_decay=args.step_decay,
         confidence_support=args.confidence_support, confidence_temperature=args.confidence_temperature,
         init_from=args.init_from, trainable=args.trainable, greedy_confidence=args.greedy_confidence,
-        draft_vocab_size=args.draft_vocab, fsdp=args.fsdp, bf16=args.bf16)
+        draft_vocab_size=args.draft_vocab, layer_init=args.layer_init, fsdp=args.fsdp, bf16=args.bf16)
     kind, _, index = args.device.partition(":")
     if not (args.device in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit())):
         raise InvalidArgument("--device", args.device, "must be auto, cpu, cuda or cuda:N")

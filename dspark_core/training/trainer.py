@@ -48,6 +48,7 @@ FROZEN = ("embed_tokens.weight", "lm_head.weight")
 # what a run trains: everything but the frozen embedding / LM head, or only the confidence head (refit the
 # confidence of an already trained drafter without moving its drafts: tau stays exactly the same)
 # what a run trains: everything but the frozen copies, or one part of the confidence head
+LAYER_INITS = ("random", "target")
 TRAINABLE = {"all": None, "confidence": "confidence_head.", "confidence-sampled": "confidence_head.proj.",
              "confidence-greedy": "confidence_head.greedy."}
 STATE_FILE = "trainer_state.pt"
@@ -103,6 +104,9 @@ class TrainConfig:
     # the drafter predicts only the N most frequent label tokens of the training data (0 = the whole
     # vocabulary): its LM head / Markov output shrink to N rows, training and drafting get that much cheaper
     draft_vocab_size: int = 0
+    # draft layers' initial weights: "random" (seeded) or "target" (copies of the target's last decoder layers,
+    # the context projection starting as the deepest tapped layer's features; see `init_layers_from_target`)
+    layer_init: str = "random"
     fsdp: bool = False
     bf16: bool = False  # bfloat16 autocast (CUDA, or a CPU with native bf16 matmuls)
 
@@ -123,6 +127,8 @@ class TrainConfig:
         _int("max_length", self.max_length, 2)
         _int("draft_vocab_size", self.draft_vocab_size, 0)
         _int("block_size", self.block_size, 1)
+        if self.layer_init not in LAYER_INITS:
+            raise InvalidArgument("layer_init", self.layer_init, f"must be one of {list(LAYER_INITS)}")
         if self.trainable not in TRAINABLE:
             raise InvalidArgument("trainable", self.trainable, f"must be one of {list(TRAINABLE)}")
         if self.trainable.startswith("confidence") and self.kind not in ("dspark", "dspark-rnn"):
@@ -267,7 +273,45 @@ def fresh_drafter(target, config: TrainConfig, draft_vocab: torch.Tensor | None 
         head = getattr(drafter, "markov_head", None)
         if head is not None:
             head.markov_w2.weight.zero_()
+    if config.layer_init == "target":
+        init_layers_from_target(drafter, target)
     return set_trainable(drafter)
+
+
+def init_layers_from_target(drafter: nn.Module, target) -> nn.Module:
+    """Start the draft layers as the target's own last decoder layers (draft layer i of n = target layer
+    num_layers - n + i), in place.
+
+    Attention projections, MLP and both norms are copied (the Qwen3 q/k norms the target may lack stay ones);
+    `fc` starts as the identity on the deepest tapped layer's slice of the features (zero on the others, which
+    still receive gradients) and `hidden_norm` as that target layer's input norm, so the context keys / values
+    start close to what the target's own attention computes there. Eagle3's attention reads
+    [embedding, hidden] (2H wide): the hidden half gets the target's projection, the embedding half keeps its
+    seeded values. The shapes must match the target's (they do for a drafter built by `fresh_drafter`).
+    """
+    layers = list(target.model.model.layers)
+    mine = list(drafter.layers)
+    if len(mine) > len(layers):
+        raise InvalidArgument("draft_layers", len(mine), f"must be at most the target's {len(layers)} layers")
+    h = drafter.fc.weight.shape[0]
+    with torch.no_grad():
+        fc = torch.zeros_like(drafter.fc.weight)
+        fc[:, -h:] = torch.eye(h, dtype=fc.dtype)
+        drafter.fc.weight.copy_(fc)
+        for layer, src in zip(mine, layers[len(layers) - len(mine):]):
+            for name in ("q_proj", "k_proj", "v_proj"):
+                w = getattr(src.self_attn, name).weight.float().cpu()
+                dst = getattr(layer.self_attn, name).weight
+                dst[:, -w.shape[1]:].copy_(w)  # Eagle3: the hidden half of [embedding, hidden]
+            layer.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight.float().cpu())
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight.float().cpu())
+            layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float().cpu())
+            norm = src.input_layernorm.weight.float().cpu()
+            # Eagle3 normalises the hidden input with its own hidden_norm; DSpark's context has the backbone's
+            (getattr(layer, "hidden_norm", None) or drafter.hidden_norm).weight.copy_(norm)
+            layer.input_layernorm.weight.copy_(norm)
+    return drafter
 
 
 def init_from_checkpoint(drafter: nn.Module, path: str | Path) -> nn.Module:

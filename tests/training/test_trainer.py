@@ -435,3 +435,24 @@ def test_cli_add_cache_trains_on_earlier_caches_too(cli_run, tiny_target_dir, tm
     rc = main(["train", "--kind", "dflash", "--target", str(tiny_target_dir), "--data", str(data), "--out",
                str(tmp_path / "bad"), "--cache-dir", str(out / "cache"), "--add-cache", str(tmp_path), *TRAIN_ARGS])
     assert rc == 2 and "--add-cache must be a complete target cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_layer_init_target_copies_the_targets_last_layers_and_keeps_the_deepest_tap(target, kind):
+    cfg = TrainConfig(kind=kind, layer_init="target", target_layer_ids=(0, 1, 2))
+    drafter = fresh_drafter(target, cfg)
+    src = list(target.model.model.layers)[-1]
+    mine = drafter.layers[-1]
+    h = target.hidden_size
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(src.self_attn, name).weight.float()
+        assert torch.equal(getattr(mine.self_attn, name).weight[:, -w.shape[1]:], w)
+    assert torch.equal(mine.mlp.down_proj.weight, src.mlp.down_proj.weight.float())
+    assert torch.equal(mine.self_attn.o_proj.weight, src.self_attn.o_proj.weight.float())
+    features = torch.randn(3, 3 * h)
+    # the context starts as the deepest tapped layer's features alone
+    assert torch.allclose(drafter.fc(features), features[:, -h:])
+    random = fresh_drafter(target, TrainConfig(kind=kind, target_layer_ids=(0, 1, 2)))
+    assert not torch.equal(random.layers[-1].mlp.down_proj.weight, mine.mlp.down_proj.weight)
+    with pytest.raises(InvalidArgument, match="layer_init"):
+        TrainConfig(layer_init="zeros")
