@@ -389,4 +389,6 @@ def propose_item_to_proto(request_id: str, it: ProposeItem, features: torch.Tens
         msg.context_token_ids.extend(int(t) for t in tokens)
     if seed is not None:
         msg.seed = seed
+    if getattr(it, "coupling_seed", None) is not None:
+        msg.coupling_seed = int(it.coupling_seed)
     return msg

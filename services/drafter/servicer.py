@@ -53,6 +53,7 @@ class _Job:
     temperature: float
     seed: int | None
     max_draft_tokens: int
+    coupling_seed: int | None = None  # the request's seed when it is verified by coupling
     tokens: list[int] | None = None  # context_token_ids, one per feature row (None: not sent)
     error: tuple[int, str, int] | None = None  # (status, message, context_length)
 
@@ -144,7 +145,8 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
             items.append(ProposeItem(state=ctx.state, new_features=feats, new_positions_start=j.start,
                                      new_tokens=j.tokens if j.tokens is not None else self._new_tokens(ctx, j.start, rows),
                                      anchor=j.anchor,
-                                     anchor_pos=j.anchor_pos, temperature=j.temperature, generator=gen))
+                                     anchor_pos=j.anchor_pos, temperature=j.temperature, generator=gen,
+                                     coupling_seed=j.coupling_seed))
             runnable.append(j)
         out: dict[int, object] = {}
         if items:
@@ -211,7 +213,8 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
             f = f"items[{i}]"
             job = _Job(i, key(caller, it.request_id), None, int(it.context_features.start_position), int(it.anchor_token_id),
                        int(it.anchor_position), float(it.temperature), int(it.seed) if it.HasField("seed") else None,
-                       int(it.max_draft_tokens) or self.drafter.block_size)
+                       int(it.max_draft_tokens) or self.drafter.block_size,
+                       int(it.coupling_seed) if it.HasField("coupling_seed") else None)
             try:
                 if not it.request_id:
                     raise InvalidArgument(f"{f}.request_id", it.request_id, "must not be empty")

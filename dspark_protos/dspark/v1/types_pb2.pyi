@@ -511,7 +511,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "context_features", "anchor_token_id", "anchor_position", "temperature", "seed", "max_draft_tokens", "context_token_ids")
+    __slots__ = ("request_id", "context_features", "anchor_token_id", "anchor_position", "temperature", "seed", "max_draft_tokens", "context_token_ids", "coupling_seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -520,6 +520,7 @@ class ProposeItem(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUPLING_SEED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_features: ContextFeatures
     anchor_token_id: int
@@ -528,7 +529,8 @@ class ProposeItem(_message.Message):
     seed: int
     max_draft_tokens: int
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    coupling_seed: int
+    def __init__(self, request_id: _Optional[str] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., coupling_seed: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals", "stats")
