@@ -391,10 +391,11 @@ def process_draft(
     tokens: list[int] = []
     rows: list[torch.Tensor] = []
     output = list(history.output_ids)
+    cache: dict = {}
     for k in range(n):
         support, q = ids[k], q_all[k].double()  # [s] each
         pseudo = (q.log() * t).float()[None, :]  # [1, s] logits of q up to a constant (q = softmax(pseudo / t))
-        local = _LocalVocab(support, params, history, output + tokens)
+        local = _LocalVocab(support, params, history, output + tokens, cache)
         scores = process_logits(pseudo, local.params, local.history)[0] / t  # [s]
         q_new = scores.double().softmax(dim=-1)
         if params.min_p > 0.0:
@@ -431,7 +432,9 @@ class _LocalVocab:
     only the support ids' counts, prompt presence and stop status matter.
     """
 
-    def __init__(self, support: torch.Tensor, params: SamplingParams, history: TokenHistory, output: list[int]):
+    def __init__(self, support: torch.Tensor, params: SamplingParams, history: TokenHistory, output: list[int],
+                 cache: dict | None = None):
+        """`cache` (one dict per block) keeps the id -> slot map of a support row the previous slot had too."""
         size = support.shape[0]
         if int(support[0]) == 0 and int(support[-1]) == size - 1 and torch.equal(
                 support, torch.arange(size, device=support.device)):
@@ -440,14 +443,38 @@ class _LocalVocab:
             out = [x for x in output if x < size]
             stop = tuple(x for x in params.stop_token_ids if x < size)
         else:
-            position: dict[int, int] = {}
-            for i, tok in enumerate(support.tolist()):
-                position.setdefault(int(tok), i)  # padded duplicates (zero probability) keep the first slot
-            prompt = [position[x] for x in history.prompt_ids if x in position]
-            out = [position[x] for x in output if x in position]
-            stop = tuple(position[x] for x in params.stop_token_ids if x in position)
+            slot = _slot_map(support, cache)
+            prompt = _slots(slot, history.prompt_ids)
+            out = _slots(slot, output)
+            stop = tuple(_slots(slot, params.stop_token_ids))
         # min_tokens counts all generated tokens, including those outside the support: pad the output with
         # a sentinel the re-indexed counts never see (an id past the support is dropped by bincount's slice)
         pad = [size] * (len(output) - len(out))
         self.history = TokenHistory(prompt, out + pad)
         self.params = dataclasses.replace(params, stop_token_ids=stop)
+
+
+def _slot_map(support: torch.Tensor, cache: dict | None) -> torch.Tensor:
+    """[max id + 1] long: the first slot of each id in `support`, -1 for ids not in it (reused from `cache`
+    while the rows are equal: a draft vocabulary's support is the same every slot)."""
+    if cache is not None and "support" in cache and torch.equal(cache["support"], support):
+        return cache["slot"]
+    ids = support.long().cpu()
+    size = ids.shape[0]
+    slot = torch.full((int(ids.max()) + 1,), size, dtype=torch.long)
+    # padded duplicates (zero probability) keep their first slot
+    slot.scatter_reduce_(0, ids, torch.arange(size), reduce="amin")
+    slot[slot == size] = -1
+    if cache is not None:
+        cache["support"], cache["slot"] = support, slot
+    return slot
+
+
+def _slots(slot: torch.Tensor, ids) -> list[int]:
+    """The slots of `ids` that are in the support (those outside it dropped), in order."""
+    if not len(ids):
+        return []
+    t = torch.as_tensor(list(ids), dtype=torch.long)
+    inside = (t >= 0) & (t < slot.shape[0])
+    s = slot[t[inside]]
+    return s[s >= 0].tolist()
