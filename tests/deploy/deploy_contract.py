@@ -31,8 +31,8 @@ SERVE: dict[str, ServeFlags] = {
     "verifier": ServeFlags(
         required=frozenset({"--port", "--metrics-port", "--redis-url", "--target"}),
         # --drafter-path: whose config.json names the layers to tap (the service has it; the brief does not list it)
-        optional=frozenset({"--device", "--dtype", "--drafter-path", "--idle-ttl", "--sps-profile-seconds",
-                            "--drafter-port", "--drafter-matmul-dtype"}),
+        optional=frozenset({"--device", "--dtype", "--weights", "--drafter-path", "--idle-ttl",
+                            "--sps-profile-seconds", "--drafter-port", "--drafter-matmul-dtype"}),
     ),
     "drafter": ServeFlags(
         # --target: a drafter that references its target's embedding and LM head reads them from there

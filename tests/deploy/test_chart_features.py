@@ -417,3 +417,14 @@ def test_scheduler_gets_the_online_operation_flags(objects):
     assert args[args.index("--calibration-bound") + 1] == "0.1"
     assert args[args.index("--collapse-ratio") + 1] == "0.25"
     assert "--target-user-tps" not in args  # 0 = off
+
+
+def test_verifier_weights_value_reaches_the_service_flag(chart):
+    """`verifier.weights` renders as the verifier's `--weights` (absent when empty: the service's auto)."""
+    def args(values):
+        return main_container(deployment_of(manifests(render(chart, values)), "verifier"))["args"]
+
+    ver = args({"verifier": {"weights": "int8"}})
+    assert ver[ver.index("--weights") + 1] == "int8"
+    assert "--weights" not in args({})
+    assert "weights" in _render_error(chart, {"verifier": {"weights": "int3"}})
