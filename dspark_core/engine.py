@@ -136,6 +136,8 @@ class RequestState:
     error: BaseException | None = None
     # the client chose the seed: its draws must not depend on what else runs (see _propose)
     seeded: bool = False
+    # trailing prompt tokens that were generated (an adopted request): its processing counts them as output
+    generated_in_prompt: int = 0
     t_start: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_end: float | None = None
@@ -143,6 +145,11 @@ class RequestState:
     @property
     def anchor(self) -> int:
         return self.output_ids[-1]
+
+    def history(self) -> TokenHistory:
+        """Prompt and output as the request's processing counts them (adopted tokens are output)."""
+        p = len(self.prompt_ids) - self.generated_in_prompt
+        return TokenHistory(self.prompt_ids[:p], self.prompt_ids[p:] + self.output_ids)
 
     @property
     def anchor_pos(self) -> int:
@@ -338,8 +345,14 @@ class Engine:
         return sum(r.anchor_pos for r in self.active) / len(self.active) if self.active else 0.0
 
     # -- request lifecycle
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    generated_in_prompt: int = 0) -> str:
+        """`generated_in_prompt`: how many trailing prompt tokens the request generated before (a request
+        adopted from a lost scheduler): the penalties and min_tokens count them as output."""
         self.verifier.validate_prompt(prompt_ids)
+        if not (isinstance(generated_in_prompt, int) and 0 <= generated_in_prompt < len(prompt_ids)):
+            raise InvalidArgument("generated_in_prompt", generated_in_prompt,
+                                  f"must be an integer in [0, {len(prompt_ids)}) (the prompt's length)")
         if len(self.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(f"queue full: {len(self.waiting)} requests waiting (max_waiting)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -349,7 +362,8 @@ class Engine:
         # may batch it freely); a seeded one draws only from streams its seed determines
         seeded = params.seed is not None
         seed = params.seed if seeded else int(torch.randint(0, 2**62, (1,)).item())
-        req = RequestState(rid, list(prompt_ids), params, make_generator(seed ^ 0x5EED5EED), seeded=seeded)
+        req = RequestState(rid, list(prompt_ids), params, make_generator(seed ^ 0x5EED5EED), seeded=seeded,
+                           generated_in_prompt=generated_in_prompt)
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -470,7 +484,7 @@ class Engine:
         joining, self.waiting = self.waiting[:room], self.waiting[room:]
         if not joining:
             return
-        items = [PrefillItem(r.request_id, tuple(r.prompt_ids), r.params) for r in joining]
+        items = [PrefillItem(r.request_id, tuple(r.prompt_ids), r.params, r.generated_in_prompt) for r in joining]
         try:
             with rec.stage("prefill"):
                 try:
@@ -615,7 +629,7 @@ class Engine:
                 # the drafts re-drawn from the drafter's q processed as the target will be (penalties over
                 # the prefix including the drafts before each slot, min_tokens, min-p): verification then
                 # compares the penalised target against exactly that processed q
-                block = process_draft(block, r.params, TokenHistory(r.prompt_ids, r.output_ids), r.draft_generator)
+                block = process_draft(block, r.params, r.history(), r.draft_generator)
             if self._coupled(r):
                 # a seeded request is verified by position-keyed coupling: its drafts re-drawn with the same
                 # noise survive whenever the target's draw there is the same token

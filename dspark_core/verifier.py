@@ -32,6 +32,9 @@ class PrefillItem:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    # trailing prompt tokens that were generated (a request adopted from a lost scheduler resumes from its
+    # prompt + what it had generated): penalties and min_tokens count them as output, as they did before
+    generated: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,9 @@ class Verifier:
         its own first token from the shared last-position logits with its own generator."""
         for it in items:
             self._check_prompt(it.request_id, it.prompt_ids)
+            if not (isinstance(it.generated, int) and 0 <= it.generated < len(it.prompt_ids)):
+                raise InvalidArgument("generated", it.generated,
+                                      f"must be an integer in [0, {len(it.prompt_ids)}) (the prompt's length)")
         first_of: dict[tuple[int, ...], int] = {}  # prompt -> index of the item whose forward it shares
         unique = [first_of.setdefault(tuple(it.prompt_ids), i) == i for i, it in enumerate(items)]
         owners = [i for i, u in enumerate(unique) if u]
@@ -143,7 +149,8 @@ class Verifier:
         row = {i: r for r, i in enumerate(owners)}
         results = []
         for i, it in enumerate(items):
-            s = _Slot(seqs[i], it.params, make_generator(it.params.seed), list(it.prompt_ids), len(it.prompt_ids))
+            s = _Slot(seqs[i], it.params, make_generator(it.params.seed), list(it.prompt_ids),
+                      len(it.prompt_ids) - it.generated)
             self._slots[it.request_id] = s
             r = row[first_of[tuple(it.prompt_ids)]]
             logits, taps = out[r]

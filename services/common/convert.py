@@ -280,7 +280,8 @@ def verify_item_from_proto(msg: types_pb2.VerifyItem, field: str) -> VerifyItem:
 
 
 def prefill_item_to_proto(item: PrefillItem) -> types_pb2.PrefillRequest:
-    msg = types_pb2.PrefillRequest(request_id=item.request_id, prompt_token_ids=list(item.prompt_ids))
+    msg = types_pb2.PrefillRequest(request_id=item.request_id, prompt_token_ids=list(item.prompt_ids),
+                                   generated_prompt_tokens=int(item.generated))
     params_to_proto(item.params, msg.sampling, complete_stop_set=True)  # the scheduler resolved the stop set
     return msg
 
@@ -289,7 +290,11 @@ def prefill_item_from_proto(msg: types_pb2.PrefillRequest, extra_stop_ids=()) ->
     """PrefillRequest -> PrefillItem; `extra_stop_ids` (the target's EOS ids) join the request's stop ids."""
     if not msg.request_id:
         raise InvalidArgument("request_id", msg.request_id, "must not be empty")
-    return PrefillItem(msg.request_id, tuple(msg.prompt_token_ids), params_from_proto(msg.sampling, extra_stop_ids))
+    if msg.generated_prompt_tokens and msg.generated_prompt_tokens >= len(msg.prompt_token_ids):
+        raise InvalidArgument("generated_prompt_tokens", msg.generated_prompt_tokens,
+                              f"must be below the prompt's length ({len(msg.prompt_token_ids)})")
+    return PrefillItem(msg.request_id, tuple(msg.prompt_token_ids), params_from_proto(msg.sampling, extra_stop_ids),
+                       int(msg.generated_prompt_tokens))
 
 
 def proposal_to_proto(prop: Proposal, max_tokens: int, out: types_pb2.Proposal) -> None:

@@ -208,7 +208,7 @@ class EngineLoop:
         elif cmd[0] == "add":
             _, prompt_ids, params, rid, sink, fut, span_context, adopted = cmd
             try:
-                self.engine.add_request(prompt_ids, params, request_id=rid)
+                self.engine.add_request(prompt_ids, params, request_id=rid, generated_in_prompt=adopted)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
                 return

@@ -111,6 +111,7 @@ def _rpc_stages(call: str, pod: str, t_sent: float | None, later: float, server:
 class _Request:
     prompt: list[int]
     params: SamplingParams
+    generated_in_prompt: int = 0  # trailing prompt tokens generated before (an adopted request)
     generated: list[int] = field(default_factory=list)
     pod: Pod | None = None
 
@@ -175,7 +176,7 @@ class RemoteVerifier:
             calls = []
             try:
                 for it in items:
-                    req = _Request(list(it.prompt_ids), it.params)
+                    req = _Request(list(it.prompt_ids), it.params, it.generated)
                     self.release(it.request_id)  # a retried prefill starts over
                     self.requests[it.request_id] = req
                     calls.append((it, req, self._start_prefill(it, req, md, set())))
@@ -234,8 +235,10 @@ class RemoteVerifier:
         last = None
         for _ in range(MAX_ATTEMPTS):
             pod = req.pod if same_pod and req.pod is not None and req.pod.alive else self.pool.pick(exclude=exclude)
-            msg = types_pb2.ResumeRequest(request_id=request_id, prompt_token_ids=req.prompt,
-                                          generated_token_ids=gen, include_context_features=include_features)
+            p = len(req.prompt) - req.generated_in_prompt  # the verifier counts adopted tokens as generated too
+            msg = types_pb2.ResumeRequest(request_id=request_id, prompt_token_ids=req.prompt[:p],
+                                          generated_token_ids=req.prompt[p:] + gen,
+                                          include_context_features=include_features)
             params_to_proto(req.params, msg.sampling, complete_stop_set=True)
             try:
                 resp = pod.stub.Resume(msg, timeout=self.timeout_s, metadata=_caller_md(self.caller))

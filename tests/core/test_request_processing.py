@@ -15,6 +15,7 @@ import torch
 
 from dspark_core.drafters.checkpoint import load_drafter
 from dspark_core.engine import Engine, EngineConfig
+from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import SamplingParams, TokenHistory, process_logits, sampling_logprobs
 from dspark_core.target import TargetConfig, TargetRuntime
 
@@ -122,3 +123,29 @@ def test_choices_of_one_prompt_share_its_prefill_and_equal_separate_requests(tar
     assert len({tuple(r.output_ids) for r in together}) > 1  # independent samples
     assert calls[0] == len(prompts[0])  # the prefill ran the prompt once for the three requests
     assert target.num_active == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_adopted_request_counts_its_earlier_tokens_as_output(target, drafter, prompts, temperature):
+    """A request adopted from a lost scheduler resumes from prompt + what it had generated: with
+    `generated_in_prompt` the penalties count those tokens as output, so the rest of its output is what the
+    uninterrupted request produced (greedy; and seeded sampled, which coupling makes position-keyed). Counted
+    as prompt instead (what adoption did before), the frequency penalty misses them and the output moves."""
+    params = SamplingParams(temperature=temperature, seed=5, max_new_tokens=24, frequency_penalty=1.5,
+                            presence_penalty=0.5)
+    prompt = prompts[1]  # the bundled model's output for it is one the penalties change
+    whole = _run(Engine(target, drafter, EngineConfig(policy="fixed")), [prompt], [params])[0].output_ids
+    k = 10
+    rest = dataclasses.replace(params, max_new_tokens=24 - k)
+
+    def adopted(generated: int):
+        engine = Engine(target, drafter, EngineConfig(policy="fixed"))
+        rid = engine.add_request(prompt + whole[:k], rest, generated_in_prompt=generated)
+        engine.run()
+        return engine.pop(rid).output_ids
+
+    assert adopted(k) == whole[k:]
+    if temperature == 0:
+        assert adopted(0) != whole[k:]
+    with pytest.raises(InvalidArgument, match="generated_in_prompt"):
+        Engine(target, drafter).add_request(prompt, rest, generated_in_prompt=len(prompt))

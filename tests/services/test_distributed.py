@@ -287,33 +287,43 @@ def test_drafter_lost_mid_generation_context_is_rebuilt_on_another(aio, stack, r
         cluster.stop(aio, d2)
 
 
-def test_scheduler_lost_mid_generation_client_retry_is_adopted_by_another(aio, stack, reference, capsys):
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0},
+                                      {"temperature": 1.5, "seed": 11, "frequency_penalty": 2.0, "presence_penalty": 2.0}],
+                         ids=["greedy", "seeded-penalised"])
+def test_scheduler_lost_mid_generation_client_retry_is_adopted_by_another(aio, stack, reference, capsys, sampling):
     """A second scheduler adopts a request whose scheduler vanished, from its Redis checkpoint, and the
-    client (retrying with the same request id on the next address) gets the target's greedy output."""
+    client (retrying with the same request id on the next address) gets the uninterrupted output: the
+    target's greedy one, or for a seeded penalised request what it gives uninterrupted (coupling makes the
+    re-sampled anchor the same token; the adopted tokens count as output for the penalty)."""
+    prompt, greedy = reference[0]
+    if sampling["temperature"] == 0:
+        want = greedy[:60]
+    else:
+        want = list(stack["stub"].GenerateUnary(ids_request(prompt, 60, **sampling), timeout=60).token_ids)
     s1 = cluster.scheduler(aio, redis_url=stack["redis"].url, adopt_after_s=0.5)
     s2 = cluster.scheduler(aio, redis_url=stack["redis"].url, adopt_after_s=0.5)
+    rid = "adopt-me-" + ("greedy" if sampling["temperature"] == 0 else "seeded")
     try:
-        prompt, greedy = reference[0]
         stub1, ch = cluster.scheduler_stub(s1)
-        req = ids_request(prompt, 60, cls=types_pb2.GenerateRequest)
-        req.request_id = "adopt-me"
+        req = ids_request(prompt, 60, cls=types_pb2.GenerateRequest, **sampling)
+        req.request_id = rid
         call = stub1.Generate(req, timeout=60)
         it = iter(call)
         got = list(next(it).token_ids)
         r = stack["redis"].client()
-        while r.get("dspark:request:adopt-me") is None:
+        while r.get(f"dspark:request:{rid}") is None:
             got.extend(next(it).token_ids)
         s1.loop.stop()  # the scheduler "crashes": no more rounds, no cleanup
         cluster.stop(aio, s1)
         ch.close()
         from dspark_cli.main import main
 
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in sampling.items()]
         rc = main(["client", "generate", "--address", f"127.0.0.1:{s1.port},127.0.0.1:{s2.port}", "--request-id",
-                   "adopt-me", "--prompt-ids", ",".join(map(str, prompt)), "--temperature", "0",
-                   "--max-new-tokens", "60", "--json"])
+                   rid, "--prompt-ids", ",".join(map(str, prompt)), *flags, "--max-new-tokens", "60", "--json"])
         out = json.loads(capsys.readouterr().out)
-        assert rc == 0 and out["token_ids"] == greedy[:60]
-        assert got == greedy[: len(got)]
+        assert rc == 0 and out["token_ids"] == want
+        assert got == want[: len(got)] and 0 < len(got) < 60
         assert s2.frontend.adopted == 1 and out["prompt_tokens"] == len(prompt)
     finally:
         cluster.stop(aio, s1, s2)
