@@ -27,6 +27,10 @@ def add_parser(sub) -> None:
                                        " Does nothing when it is already installed from the same file.")
     ins.add_argument("name", choices=("smollm2",), help="the target to install")
     ins.add_argument("--force", action="store_true", help="convert again even if installed")
+    ins.add_argument("--profile-seconds", type=float, default=20.0, metavar="S",
+                     help="after converting, spend up to S seconds measuring a quick SPS cost table on this "
+                          "machine (sps.json beside the target), so that `--policy causal` runs from the start "
+                          "(default 20; 0 = do not; `dspark profile --target smollm2` measures the full table)")
     ins.set_defaults(func=_install)
 
     imp = which.add_parser("import-gguf", help="convert a Llama/Qwen-family GGUF file into a model directory",
@@ -85,6 +89,28 @@ def _install(args) -> int:
     print(f"converting {src.name} -> {out}")
     import_gguf(src, out, name="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", overwrite=True)
     print(f"installed smollm2 in {out}")
+    return _quick_profile(out, args.profile_seconds)
+
+
+def _quick_profile(target_dir: Path, budget_s: float) -> int:
+    """A quick SPS table beside a freshly installed target that has none (what a verifier measures at
+    start-up), so that the cost-table policies run from the first `dspark generate`."""
+    from dspark_core.stack import SPS_FILE, find_generated
+
+    if budget_s <= 0 or find_generated(target_dir, SPS_FILE) is not None:
+        return 0
+    import torch
+
+    from dspark_core.profiling import quick_sps_table
+
+    from dspark_core.stack import load_target_runtime
+
+    target = load_target_runtime(str(target_dir))
+    torch.set_num_threads(1)  # the serving default on a CPU box; `dspark profile --threads` for others
+    table = quick_sps_table(target, budget_s=budget_s)
+    table.save(target_dir / SPS_FILE)
+    print(f"profiled a quick cost table ({len(table.batch_sizes)} batch sizes, {table.weights or 'loaded'} weights) "
+          f"-> {target_dir / SPS_FILE}; `dspark profile --target smollm2` measures the full one")
     return 0
 
 

@@ -116,4 +116,4 @@ def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float
         bench.close()
     return monotone(SpsTable(tuple(measured), tuple(speeds), device=str(target.device),
                              dtype=str(target.dtype).replace("torch.", ""), context_length=bench.context_length,
-                             model=target.name))
+                             model=target.name, weights=getattr(target, "weights", None)))

