@@ -28,6 +28,11 @@ from .packed_weights import DenseLinear, PackedLinear
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+# passes with at most this many new tokens per sequence (decode and verify, not prefill) run attention row by
+# row when the projections are batch-invariant
+ROW_ATTENTION_MAX_ROWS = 16
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF's Llama/Qwen RMSNorm: normalise in fp32, cast back, then scale
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -110,6 +115,27 @@ class LeanDecoder:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.inter = getattr(hf_config, "intermediate_size", 0)
+        # every projection batch-invariant (the packed formats): then a verify pass's attention runs row by row
+        # over exactly the keys each row sees, so that pass computes each row bitwise as the one-row
+        # autoregressive step at that position does (`_row_attention`); with dense weights it would not pay
+        from .packed_weights import row_invariant
+        self.row_invariant = all(row_invariant(m) for m in self.linears())
+
+    def _row_attention(self, qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       by_row: list[list[int | None]]) -> torch.Tensor:
+        """qs [n, h, q, d]; keys / values [n, kvh, kv, d] -> [n, h, q, d]: row i of sequence r attends to its
+        first by_row[r][i] keys alone, in a call of the one-row step's own shape (no mask, no padding), so
+        its softmax reduces over exactly the keys the autoregressive step at that position reduces over."""
+        out = qs.new_zeros(qs.shape)
+        gqa = self.num_kv_heads != self.num_heads
+        for r, lengths in enumerate(by_row):
+            for i, length in enumerate(lengths):
+                if length is None:
+                    continue
+                out[r:r + 1, :, i:i + 1] = F.scaled_dot_product_attention(
+                    qs[r:r + 1, :, i:i + 1], keys[r:r + 1, :, :length], values[r:r + 1, :, :length],
+                    scale=self.scaling, enable_gqa=gqa)
+        return out
 
     def linears(self) -> list[PackedLinear]:
         """Every matmul of one forward but the LM head, in order."""
@@ -130,6 +156,14 @@ class LeanDecoder:
         """
         n, q = input_ids.shape
         h, d, kvh = self.num_heads, self.head_dim, self.num_kv_heads
+        # decode / verify passes (a few rows per sequence) with batch-invariant projections: attention row by
+        # row; key_lengths[r][i] = keys row i of sequence r sees (its position + 1), None for a padded row
+        by_row = None
+        if self.row_invariant and q <= ROW_ATTENTION_MAX_ROWS:
+            lengths = (position_ids + 1).tolist()
+            real = None if rows is None else set(rows.tolist())
+            by_row = [[lengths[r][i] if real is None or r * q + i in real else None for i in range(q)]
+                      for r in range(n)]
         flat_ids = input_ids.reshape(n * q)
         x = self.embed(flat_ids if rows is None else flat_ids[rows])  # [N, hidden]
         kept: dict[int, torch.Tensor] = {}
@@ -154,8 +188,11 @@ class LeanDecoder:
             qs = qs * cos + _rotate_half(qs) * sin
             ks = ks * cos + _rotate_half(ks) * sin
             keys, values = cache.update(ks, vs, li)
-            attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=attention_mask, scale=self.scaling,
-                                                  enable_gqa=kvh != h)
+            if by_row is not None:
+                attn = self._row_attention(qs, keys, values, by_row)
+            else:
+                attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=attention_mask,
+                                                      scale=self.scaling, enable_gqa=kvh != h)
             attn = attn.transpose(1, 2).reshape(n * q, h * d)
             if rows is not None:
                 attn = attn.index_select(0, rows)

@@ -21,7 +21,11 @@ on this CPU the same int4 kernel with fp32 activations is ~40x slower than with 
 Row counts: every product of a packed format runs in its packed kernel, whatever the number of rows. Both
 kernels are batch-invariant (a row's result is bitwise the same however many rows come with it, checked in
 tests/core/test_packed_weights.py), so a verify pass of k + 1 rows computes each row's projections exactly as
-the one-row autoregressive step does, and a request's rows do not depend on what shares its batch. The price
+the one-row autoregressive step does, and a request's rows do not depend on what shares its batch. Attention
+is made so too: with packed projections the lean decoder runs decode / verify attention row by row over
+exactly the keys each row sees (`fast_decoder.LeanDecoder._row_attention`), since one batched attention over a
+masked, padded softmax reduces in another order, and the bf16 activations magnify that last-bit difference
+into logit changes of ~0.2 (on SmolLM2 Q4_1 it moved 3 of 6 greedy decodes off the target's own). The price
 is prefill: above ~16 rows a dense bf16 matmul would be ~2x faster (measured 3072 x 576, 200 rows: int4 28.7
 ms, int8 39.3, bf16 dense 13.4), but a dense copy would compute other roundings, so it is not used.
 """
@@ -183,6 +187,14 @@ class ConcatLinear(PackedLinear):
 
     def dequantized(self):
         return torch.cat([p.dequantized() for p in self.parts])
+
+
+def row_invariant(linear: PackedLinear) -> bool:
+    """Whether a row's product is bitwise the same however many rows come with it: the packed kernels are;
+    a dense float32 / bf16 matmul picks other kernels (gemv, gemm blockings) for other row counts."""
+    if isinstance(linear, (SumLinear, ConcatLinear)):
+        return all(row_invariant(p) for p in linear.parts)
+    return isinstance(linear, _Packed)
 
 
 def supports_int4(n: int, k: int) -> bool:
