@@ -39,7 +39,7 @@ def models_dir(root: str | Path | None = None) -> Path:
 
 # The named target a command runs when none is given (`DSPARK_TARGET` overrides it for the CLI and the services;
 # the test suite sets it to `tiny`).
-DEFAULT_TARGET = "tiny"
+DEFAULT_TARGET = "smollm2"
 
 
 def default_target(root: str | Path | None = None, home: str | Path | None = None) -> str:

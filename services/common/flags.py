@@ -76,7 +76,8 @@ def add_device_args(p, device: str = "auto", dtype: str = "auto") -> None:
 
 def add_target_arg(p, default: str | None = None) -> None:
     p.add_argument("--target", default=default,
-                   help="target: tiny (the bundled 7M model, default), smollm2, or a Hugging Face model directory")
+                   help="target: smollm2 (SmolLM2-135M-Instruct, the default; DSPARK_TARGET overrides it), tiny "
+                        "(the bundled 7M test model), or a Hugging Face model directory")
 
 
 def policy_name(text: str) -> str:

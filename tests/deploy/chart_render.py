@@ -75,6 +75,8 @@ MATRIX: dict[str, dict] = {
     "models-init": {
         "models": {
             "source": "initContainer",
+            "target": "target",
+            "drafter": "dspark",
             "initContainer": {
                 "targetUri": "hf://Qwen/Qwen3-8B@main",
                 "drafterUri": "hf://dspark/qwen3-8b-dspark",

