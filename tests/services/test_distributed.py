@@ -106,6 +106,39 @@ def test_seeded_sampling_through_services_equals_the_same_seeds_autoregressive_d
     assert got == want
 
 
+def test_the_drafter_service_draws_a_coupled_item_by_the_seeds_race(stack):
+    """ProposeItem.coupling_seed: slot k is the exponential race of (seed, anchor_position + 1 + k) over the
+    drafter's own support, so the scheduler's re-draw (couple_draft) keeps every token."""
+    import torch
+
+    from dspark_core.sampling import coupled_choice, coupling_noise
+    from dspark_core.verification import DraftBlock, couple_draft
+    from dspark_protos.tensors import tensor_to_proto
+    from services.common.convert import proposal_from_proto
+
+    stub, ch = cluster.drafter_stub(stack["d"])
+    info = stub.GetInfo(types_pb2.DrafterServiceGetInfoRequest())
+    feats = torch.randn((5, len(info.target_layer_ids), info.target_hidden_size))
+    vocab = stack["v"][0].servicer.verifier.target.vocab_size
+    try:
+        for seed in (3, 4):
+            rid = f"coupled-{seed}"
+            it = types_pb2.ProposeItem(request_id=rid, anchor_token_id=11, anchor_position=5, temperature=1.0,
+                                       coupling_seed=seed)
+            it.context_features.start_position = 0
+            tensor_to_proto(feats, it.context_features.hidden_states)
+            prop = proposal_from_proto(stub.Propose(types_pb2.ProposeRequest(items=[it])).proposals[0])
+            for k, tok in enumerate(prop.tokens):
+                ids = prop.support_ids[k].long()
+                won = ids[coupled_choice(prop.support_probs[k], coupling_noise(seed, 6 + k, vocab)[ids])]
+                assert tok == int(won)
+            block = DraftBlock(tuple(prop.tokens), prop.support_ids, prop.support_probs)
+            assert couple_draft(block, seed, 6, vocab).tokens == block.tokens
+            stub.Release(types_pb2.DrafterServiceReleaseRequest(request_ids=[rid]))
+    finally:
+        ch.close()
+
+
 def test_list_models_and_reflection(stack):
     resp = stack["stub"].ListModels(types_pb2.ListModelsRequest())
     assert resp.default_model == "target" and resp.models[0].default_drafter == "dspark"
@@ -327,36 +360,3 @@ def test_scheduler_lost_mid_generation_client_retry_is_adopted_by_another(aio, s
         assert s2.frontend.adopted == 1 and out["prompt_tokens"] == len(prompt)
     finally:
         cluster.stop(aio, s1, s2)
-
-
-def test_the_drafter_service_draws_a_coupled_item_by_the_seeds_race(stack):
-    """ProposeItem.coupling_seed: slot k is the exponential race of (seed, anchor_position + 1 + k) over the
-    drafter's own support, so the scheduler's re-draw (couple_draft) keeps every token."""
-    import torch
-
-    from dspark_core.sampling import coupled_choice, coupling_noise
-    from dspark_core.verification import DraftBlock, couple_draft
-    from dspark_protos.tensors import tensor_to_proto
-    from services.common.convert import proposal_from_proto
-
-    stub, ch = cluster.drafter_stub(stack["d"])
-    info = stub.GetInfo(types_pb2.DrafterServiceGetInfoRequest())
-    feats = torch.randn((5, len(info.target_layer_ids), info.target_hidden_size))
-    vocab = stack["v"][0].servicer.verifier.target.vocab_size
-    try:
-        for seed in (3, 4):
-            rid = f"coupled-{seed}"
-            it = types_pb2.ProposeItem(request_id=rid, anchor_token_id=11, anchor_position=5, temperature=1.0,
-                                       coupling_seed=seed)
-            it.context_features.start_position = 0
-            tensor_to_proto(feats, it.context_features.hidden_states)
-            prop = proposal_from_proto(stub.Propose(types_pb2.ProposeRequest(items=[it])).proposals[0])
-            for k, tok in enumerate(prop.tokens):
-                ids = prop.support_ids[k].long()
-                won = ids[coupled_choice(prop.support_probs[k], coupling_noise(seed, 6 + k, vocab)[ids])]
-                assert tok == int(won)
-            block = DraftBlock(tuple(prop.tokens), prop.support_ids, prop.support_probs)
-            assert couple_draft(block, seed, 6, vocab).tokens == block.tokens
-            stub.Release(types_pb2.DrafterServiceReleaseRequest(request_ids=[rid]))
-    finally:
-        ch.close()
