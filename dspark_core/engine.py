@@ -134,7 +134,7 @@ class RequestState:
     finish_reason: str | None = None
     # why a request finished with finish_reason "error" (its own bad input, found when a batch failed)
     error: BaseException | None = None
-    # the client chose the seed: its draws must not depend on what else runs (see _propose)
+    # the client chose the seed: its output must not depend on what else runs (see _coupled)
     seeded: bool = False
     # trailing prompt tokens that were generated (an adopted request): its processing counts them as output
     generated_in_prompt: int = 0
@@ -595,7 +595,9 @@ class Engine:
                 coupling_seed=r.params.seed if self._coupled(r) else None))
         start = time.perf_counter()
         with rec.stage("draft"):
-            proposals = self._propose(items)
+            # one batched propose for every request: a seeded request's output is fixed by its seed
+            # (position-keyed coupling), so batching changes at most how many of its drafts survive
+            proposals = self.drafter.propose(items)
         elapsed = time.perf_counter() - start
         for r in reqs:
             # the drafter holds these now: none are sent again (a round that then commits nothing sends an empty
@@ -662,12 +664,6 @@ class Engine:
                 self.num_explored += 1
                 return scheduling.async_topk_schedule(confs, stale - r)
         return lengths
-
-    def _propose(self, items) -> list:
-        """One batched propose for every request. Seeded sampled requests need no pass of their own: their
-        output is a function of their seed (position-keyed coupling, `couple_draft`), so batching changes at
-        most how many of their drafts survive."""
-        return self.drafter.propose(items)
 
     # -- convenience
     def run(self) -> None:

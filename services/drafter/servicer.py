@@ -59,9 +59,6 @@ class _Job:
 
 
 class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
-    # seeded sampled items draft in a pass of their own (dspark_core.engine.Engine._propose)
-    batch_invariant_seeds = True
-
     def __init__(self, drafter_id: str, executor: Executor, max_active: int = 1024, coalesce_wait_s: float = 0.002,
                  max_per_caller: int | None = None, evict_idle_s: float = 10.0, wait_alone: bool = False):
         self.drafter = None
@@ -152,7 +149,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         if items:
             t0 = time.perf_counter()
             with metrics.FORWARD_SECONDS.labels(service=_S, rpc="propose").time():
-                proposals = self._propose_isolated(items)
+                proposals = self._propose_isolated(items)  # one pass; an item that breaks it fails alone
             dt = time.perf_counter() - t0
             self.step_time.update(dt)
             self.tokens_per_step.update(len(items) * self.drafter.block_size)
@@ -172,24 +169,19 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         return [out.get(j.index, j.error) for j in jobs]
 
     def _propose_isolated(self, items: list[ProposeItem]) -> list:
-        """One batched pass, but each seeded sampled item alone (its draws must not depend on the batch's
-        shape), and an item whose input fails the pass fails alone."""
-        alone = [i for i, it in enumerate(items) if it.generator is not None]
-        rest = [i for i in range(len(items)) if i not in set(alone)]
-        out: list = [None] * len(items)
-        for idx in [[i] for i in alone] + ([rest] if rest else []):
-            try:
-                got = self.drafter.propose([items[i] for i in idx])
-            except Exception:  # noqa: BLE001 - one item's input must not fail the others
-                got = []
-                for i in idx:
-                    try:
-                        got.extend(self.drafter.propose([items[i]]))
-                    except Exception as e:  # noqa: BLE001 - that item's status
-                        got.append(e)
-            for i, p in zip(idx, got):
-                out[i] = p
-        return out
+        """One batched pass; if it throws, each item alone, so that an item whose input fails the pass fails
+        alone. (Seeded items need no pass of their own: their output is fixed by position-keyed coupling,
+        whatever their drafts.)"""
+        try:
+            return self.drafter.propose(items)
+        except Exception:  # noqa: BLE001 - one item's input must not fail the others
+            out: list = []
+            for it in items:
+                try:
+                    out.extend(self.drafter.propose([it]))
+                except Exception as e:  # noqa: BLE001 - that item's status
+                    out.append(e)
+            return out
 
     def expire_idle(self, ttl_s: float) -> list[str]:
         """Model thread: drop the contexts nobody proposed for in `ttl_s` seconds (their scheduler is gone)."""

@@ -371,9 +371,6 @@ class DraftHandle:
 
 
 class RemoteDrafter:
-    # the drafter service drafts seeded sampled items in passes of their own (dspark_core.engine.Engine._propose)
-    batch_invariant_seeds = True
-
     def __init__(self, pool: PodPool, verifier: RemoteVerifier, info, hidden_size: int, vocab_size: int,
                  timeout_s: float = 60.0):
         self.pool, self.verifier, self.timeout_s = pool, verifier, timeout_s
