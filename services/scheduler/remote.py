@@ -176,7 +176,7 @@ class RemoteVerifier:
             calls = []
             try:
                 for it in items:
-                    req = _Request(list(it.prompt_ids), it.params, it.generated)
+                    req = _Request(list(it.prompt_ids), it.params, it.generated_in_prompt)
                     self.release(it.request_id)  # a retried prefill starts over
                     self.requests[it.request_id] = req
                     calls.append((it, req, self._start_prefill(it, req, md, set())))
