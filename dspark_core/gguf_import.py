@@ -71,8 +71,12 @@ The licence is the source model's (see the package that shipped the GGUF file).
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, name: str | None = None,
-                overwrite: bool = False, progress: bool = True) -> Path:
+                overwrite: bool = False, progress: bool = True, keep_copy: bool = False) -> Path:
     """Convert `gguf_path` into a Hugging Face directory at `out_dir`; returns `out_dir`.
+
+    With `keep_copy` the GGUF file is copied in beside the conversion and recorded there, so the directory
+    (whose `gguf` weights are read from that file at load time) does not depend on where the file came from
+    (e.g. a virtual environment's package, which another environment's install must not redirect).
 
     Written into a temporary sibling and renamed at the end, so an interrupted import leaves nothing that
     looks complete."""
@@ -119,8 +123,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, name: str | None = N
         fresh.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         types = gguf_tensor_types(src)
+        recorded = src.resolve()
+        if keep_copy:
+            shutil.copyfile(src, tmp / src.name)
+            recorded = out.resolve() / src.name
         (tmp / "gguf_source.json").write_text(json.dumps({
-            "file": src.name, "path": str(src.resolve()), "bytes": src.stat().st_size,
+            "file": src.name, "path": str(recorded), "bytes": src.stat().st_size,
             "sha256": _sha256(src), "tensor_types": types}, indent=2) + "\n")
         (tmp / "README.md").write_text(_model_card(name or src.stem, src, config, types))
         if out.exists():

@@ -96,10 +96,14 @@ def test_install_is_idempotent_and_names_a_missing_wheel(gguf_file, tmp_path):
     installed = target_dirs()["smollm2"]
     if not (installed / "config.json").exists():
         pytest.skip("smollm2 is not installed here (make setup installs it)")
-    # a second install into the same home is a no-op; here: a home holding a copy of the install's records
-    (tmp_path / "home" / "models" / installed.name).mkdir(parents=True)
-    for name in ("gguf_source.json", "config.json"):
-        (tmp_path / "home" / "models" / installed.name / name).write_text((installed / name).read_text())
+    # a second install into the same home is a no-op; here: a home holding the install's records and (a link
+    # to) its own copy of the wheel's file, which the install keeps beside the conversion
+    home = tmp_path / "home" / "models" / installed.name
+    home.mkdir(parents=True)
+    (home / "config.json").write_text((installed / "config.json").read_text())
+    rec = json.loads((installed / "gguf_source.json").read_text())
+    (home / gguf_file.name).symlink_to(gguf_file)
+    (home / "gguf_source.json").write_text(json.dumps({**rec, "path": str(home / gguf_file.name)}))
     r = run_cli("models", "install", "smollm2", env=env)
     assert r.returncode == 0 and "already installed" in r.stdout
 
