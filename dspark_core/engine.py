@@ -33,7 +33,7 @@ import torch
 
 from . import scheduling
 from .cost_model import OnlineSpsTable, SpsTable
-from .drafters.base import Proposal, ProposeItem
+from .drafters.base import DraftProcessing, Proposal, ProposeItem
 from .errors import InvalidArgument, NotFound, ResourceExhausted
 from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord
 from .sampling import SamplingParams, TokenHistory, TokenLogprob, make_generator
@@ -592,7 +592,8 @@ class Engine:
                 state=r.draft_state, new_features=r.pending_features, new_positions_start=r.pending_start,
                 new_tokens=r.pending_tokens, anchor=r.anchor, anchor_pos=r.anchor_pos,
                 temperature=r.params.temperature, generator=r.draft_generator if r.seeded else None,
-                coupling_seed=r.params.seed if self._coupled(r) else None))
+                coupling_seed=r.params.seed if self._coupled(r) else None,
+                processing=DraftProcessing(r.params, r.history()) if r.params.processed else None))
         start = time.perf_counter()
         with rec.stage("draft"):
             # one batched propose for every request: a seeded request's output is fixed by its seed
@@ -627,8 +628,8 @@ class Engine:
                 tokens=tuple(p.tokens[:l]),
                 support_ids=None if p.support_ids is None else p.support_ids[:l],
                 support_probs=None if p.support_probs is None else p.support_probs[:l])
-            if r.params.processed:
-                # the drafts re-drawn from the drafter's q processed as the target will be (penalties over
+            if r.params.processed and not p.processed:
+                # a drafter that did not process its own logits (a remote one): the drafts re-drawn from the drafter's q processed as the target will be (penalties over
                 # the prefix including the drafts before each slot, min_tokens, min-p): verification then
                 # compares the penalised target against exactly that processed q
                 block = process_draft(block, r.params, r.history(), r.draft_generator)

@@ -51,6 +51,27 @@ class ProposeItem:
     # of (coupling_seed, anchor_pos + 1 + k), as verification draws the target's token there (None: drawn
     # with a uniform from `generator`)
     coupling_seed: int | None = None
+    # the request's own processing beyond temperature / top-k / top-p (penalties, min_tokens, min_p; see
+    # DraftProcessing): the drafter chooses every slot from its logits processed as the target's will be
+    processing: "DraftProcessing | None" = None
+
+
+@dataclass(frozen=True)
+class DraftProcessing:
+    """What verification will do to the target's logits of a request, for the drafter to do to its own.
+
+    `params` (a `dspark_core.sampling.SamplingParams` with `processed`) and `history` (its
+    `TokenHistory`: the prompt and the generated tokens up to and including the anchor). Slot k's logits get
+    the penalties with history + the block's slots 1..k-1 counted (exact: the drafter's raw logits, so the
+    repetition penalty's sign rule is the target's), the stop ids masked while min_tokens is not reached,
+    and min-p on the tempered distribution. A greedy request drafts the argmax of that, the token the
+    target's processed argmax is most likely to be; a sampled one draws from it, and the proposal carries the
+    processed q that verification then compares against. Losslessness never depends on it (verification
+    checks every draft against the processed target); acceptance does.
+    """
+
+    params: object
+    history: object
 
 
 @dataclass
@@ -66,6 +87,8 @@ class Proposal:
     confidences: torch.Tensor | None = None
     # [gamma] raw confidence logits
     confidence_logits: torch.Tensor | None = None
+    # the item's `processing` was applied by the drafter (tokens and q are already the processed ones)
+    processed: bool = False
 
 
 @runtime_checkable

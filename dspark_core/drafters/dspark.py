@@ -139,6 +139,7 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
                 support_probs=out.support_probs[i] if sampled else None,
                 confidences=None if confidences is None else confidences[i],
                 confidence_logits=None if conf_logits is None else conf_logits[i],
+                processed=it.processing is not None,
             ))
         return proposals
 
@@ -166,17 +167,19 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         temperatures = torch.tensor([float(it.temperature) for it in items], dtype=torch.float32, device=dev)
         uniforms = draw_uniforms(items, self.block_size, dev)  # [B, gamma] or None
         coupling = draw_coupling(items, self.block_size, self.config.vocab_size, dev)
-        return self.run_heads(hidden, self.lm_head(hidden), anchors, temperatures, uniforms, coupling=coupling)
+        return self.run_heads(hidden, self.lm_head(hidden), anchors, temperatures, uniforms, coupling=coupling,
+                              processing=[it.processing for it in items])
 
     def run_heads(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.Tensor,
                   temperatures: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
-                  teacher_prev: torch.Tensor | None = None, coupling=None) -> BlockDraft:
+                  teacher_prev: torch.Tensor | None = None, coupling=None, processing=None) -> BlockDraft:
         """The sequential part: gamma steps over the batch.
 
         hidden [B, gamma, H]; base_logits [B, gamma, V]; anchors [B]; temperatures [B] (None = greedy);
         uniforms [B, gamma] (None = all greedy); teacher_prev [B, gamma] replaces the chosen previous
         tokens (teacher forcing; slot 0's entry is normally the anchor); coupling (`base.Coupling`) the rows
-        drawn by the exponential race.
+        drawn by the exponential race; processing [B] `base.DraftProcessing` or None per row (each slot
+        chosen from the processed logits, the Markov head fed the processed choice).
         """
         b, gamma, _ = hidden.shape
         if temperatures is None:
@@ -185,7 +188,8 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         state = markov.start(hidden[:, 0]) if markov is not None else None
         prev = anchors  # [B]
         logits_out, tokens, prevs, prev_embs, sup_ids, sup_probs = [], [], [], [], [], []
-        choose = TokenChooser(temperatures, self.support_size, base_logits.shape[-1], self.draft_vocab_ids)
+        choose = TokenChooser(temperatures, self.support_size, base_logits.shape[-1], self.draft_vocab_ids,
+                              processing)
         for k in range(gamma):
             if teacher_prev is not None:
                 prev = teacher_prev[:, k]

@@ -182,12 +182,13 @@ class Eagle3Drafter(LocalStates, nn.Module):
 
     def chain(self, states: list[Eagle3State], anchor_positions: torch.Tensor,
               temperatures: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
-              teacher_tokens: torch.Tensor | None = None, coupling=None) -> ChainDraft:
+              teacher_tokens: torch.Tensor | None = None, coupling=None, processing=None) -> ChainDraft:
         """Draft gamma tokens per request without touching the committed cache.
 
         anchor_positions [B]; temperatures [B] (None = greedy); uniforms [B, gamma]; teacher_tokens
         [B, gamma - 1] replaces the tokens fed at steps 1..gamma-1 (teacher forcing); coupling
-        (`base.Coupling`) the rows drawn by the exponential race.
+        (`base.Coupling`) the rows drawn by the exponential race; processing [B] `base.DraftProcessing` or
+        None per row (each step chosen from the processed logits and fed on).
         """
         gamma, b, dev = self.block_size, len(states), self._device
         if temperatures is None:
@@ -196,7 +197,8 @@ class Eagle3Drafter(LocalStates, nn.Module):
         ctx_valid = valid if valid is not None else torch.ones(b, past_k.shape[2], dtype=torch.bool, device=dev)
         h = torch.stack([s.last_hidden for s in states])  # [B, H]
         hiddens, logits_out, tokens, sup_ids, sup_probs = [], [], [], [], []
-        choose = TokenChooser(temperatures, self.support_size, self.config.output_size, self.draft_vocab_ids)
+        choose = TokenChooser(temperatures, self.support_size, self.config.output_size, self.draft_vocab_ids,
+                              processing)
         for k in range(gamma):
             if k > 0:
                 fed = teacher_tokens[:, k - 1] if teacher_tokens is not None else tokens[-1]  # [B]
@@ -278,7 +280,8 @@ class Eagle3Drafter(LocalStates, nn.Module):
         temperatures = torch.tensor([float(it.temperature) for it in items], dtype=torch.float32, device=dev)
         uniforms = draw_uniforms(items, self.block_size, dev)
         coupling = draw_coupling(items, self.block_size, self.config.vocab_size, dev)
-        return self.chain([it.state for it in items], positions, temperatures, uniforms, coupling=coupling)
+        return self.chain([it.state for it in items], positions, temperatures, uniforms, coupling=coupling,
+                          processing=[it.processing for it in items])
 
     @torch.no_grad()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
@@ -288,6 +291,7 @@ class Eagle3Drafter(LocalStates, nn.Module):
                 tokens=toks,
                 support_ids=out.support_ids[i] if it.temperature > 0 else None,
                 support_probs=out.support_probs[i] if it.temperature > 0 else None,
+                processed=it.processing is not None,
             )
             for i, (it, toks) in enumerate(zip(items, out.tokens.tolist()))
         ]

@@ -14,11 +14,17 @@ the exponential race instead: argmax over its support of q / E, with E the Exp(1
 position at the support's target ids (`dspark_core.sampling.coupling_noise`): the same race verification
 runs on the target, so the draft survives whenever both pick the same token.
 
-Knows nothing about models or requests: rows in, tokens out.
+Rows with a `processing` (`base.DraftProcessing`: the request's penalties, min_tokens, min_p) are chosen from
+their logits processed as verification will process the target's: the penalties over the request's history
+plus the row's tokens chosen at the earlier slots of this round (the chooser remembers them), exactly as
+`dspark_core.sampling.process_logits` does to the target, then min-p on the tempered distribution.
+
+Knows nothing about models: rows in, tokens out.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +45,17 @@ class TokenChooser:
     temperatures, the support ids) is worked out once, so each of the gamma slots runs only its own ops."""
 
     def __init__(self, temperatures: torch.Tensor, support_size: int, vocab: int,
-                 id_map: torch.Tensor | None = None):
+                 id_map: torch.Tensor | None = None, processing: list | None = None):
         """temperatures [B] (0 = greedy); the vocabulary size of the logits to come; `id_map` [vocab] the
-        target id of each logit column (a draft vocabulary; None = column i is id i)."""
+        target id of each logit column (a draft vocabulary; None = column i is id i); `processing` [B] a
+        `base.DraftProcessing` or None per row."""
         self.k = min(support_size, vocab)
         self.id_map = id_map
+        self.vocab = vocab
+        self.processing = [(i, p) for i, p in enumerate(processing or ()) if p is not None]
+        self.drafted: dict[int, list[int]] = {i: [] for i, _ in self.processing}  # target ids chosen so far
+        self._local: dict = {}  # the draft vocabulary's id -> column map, built once
+        self.temps = temperatures
         sampled = temperatures > 0  # [B]
         self.sampled_rows = sampled
         self.any_greedy = not bool(sampled.all())
@@ -71,6 +83,40 @@ class TokenChooser:
                  coupled: tuple[torch.Tensor, torch.Tensor] | None = None) -> Choice:
         """logits [B, V]; uniforms [B] in [0, 1) (None: every row greedy); coupled (rows [n] long, noise
         [n, vocab of target ids] float64): those sampled rows are drawn by the exponential race instead."""
+        if self.processing:
+            logits = self._process(logits)
+        choice = self._choose(logits, uniforms, coupled)
+        if self.processing:
+            for i, _ in self.processing:
+                self.drafted[i].append(int(choice.tokens[i]))
+        return choice
+
+    def _process(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] with each processed row replaced by its processed scores (a new tensor)."""
+        from dspark_core.sampling import TokenHistory, process_logits
+        from dspark_core.verification import _LocalVocab
+
+        out = logits.float().clone()
+        for i, proc in self.processing:
+            params, history = proc.params, proc.history
+            output = list(history.output_ids) + self.drafted[i]
+            row = out[i : i + 1]
+            if params.history_dependent:
+                if self.id_map is None:
+                    row = process_logits(row, params, TokenHistory(history.prompt_ids, output))
+                else:  # draft-vocabulary columns: the history re-indexed into them
+                    local = _LocalVocab(self.id_map, params, history, output, self._local)
+                    row = process_logits(row, local.params, local.history)
+            t = float(self.temps[i])
+            if params.min_p > 0.0 and t > 0:
+                # q < min_p * max(q) on softmax(row / t) <=> row < max(row) + t * log(min_p)
+                row = row.masked_fill(row < row.max() + t * math.log(params.min_p), -math.inf)
+            if bool(torch.isfinite(row).any()):  # never a row with nothing left to choose
+                out[i] = row[0]
+        return out
+
+    def _choose(self, logits: torch.Tensor, uniforms: torch.Tensor | None,
+                coupled: tuple[torch.Tensor, torch.Tensor] | None) -> Choice:
         if uniforms is None:
             return Choice(self._to_target(logits.argmax(dim=-1)), None, None)
         greedy = logits.argmax(dim=-1) if self.any_greedy else None  # [B]

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark_core.drafters.base import Proposal, ProposeItem
+from dspark_core.drafters.base import DraftProcessing, Proposal, ProposeItem
 from dspark_core.errors import InvalidArgument
-from dspark_core.sampling import SamplingParams, TokenLogprob
+from dspark_core.sampling import SamplingParams, TokenHistory, TokenLogprob
 from dspark_core.verification import DraftBlock
 from dspark_core.verifier import PrefillItem, StepResult, VerifyItem
+from services.common.limits import check_sampling
 from dspark_protos.dspark.v1 import types_pb2
 from dspark_protos.tensors import tensor_from_proto, tensor_to_proto
 
@@ -312,6 +313,7 @@ def proposal_to_proto(prop: Proposal, max_tokens: int, out: types_pb2.Proposal) 
         out.confidences.extend(((ids == tokens) * probs).sum(-1).tolist())
     else:
         out.confidences.extend([1.0] * n)
+    out.processed = bool(prop.processed)
 
 
 def proposal_from_proto(p: types_pb2.Proposal, field: str = "proposal") -> Proposal:
@@ -321,7 +323,8 @@ def proposal_from_proto(p: types_pb2.Proposal, field: str = "proposal") -> Propo
     if p.draft_supports and n > 0:
         ids, probs = supports_from_proto(p.draft_supports, n, field)
     conf = torch.tensor(list(p.confidences), dtype=torch.float32) if len(p.confidences) == n else None
-    return Proposal(tokens=list(p.draft_token_ids), support_ids=ids, support_probs=probs, confidences=conf)
+    return Proposal(tokens=list(p.draft_token_ids), support_ids=ids, support_probs=probs, confidences=conf,
+                    processed=bool(p.processed))
 
 
 def kind_to_proto(kind: str) -> int:
@@ -396,4 +399,31 @@ def propose_item_to_proto(request_id: str, it: ProposeItem, features: torch.Tens
         msg.seed = seed
     if getattr(it, "coupling_seed", None) is not None:
         msg.coupling_seed = int(it.coupling_seed)
+    proc = getattr(it, "processing", None)
+    if proc is not None:  # the stop set is complete: the engine resolved end-of-sequence ids already
+        params_to_proto(proc.params, msg.processing.params, complete_stop_set=True)
+        msg.processing.prompt_token_ids.extend(int(t) for t in proc.history.prompt_ids)
+        msg.processing.output_token_ids.extend(int(t) for t in proc.history.output_ids)
     return msg
+
+
+def draft_processing_from_proto(msg: types_pb2.DraftProcessing, vocab_size: int, anchor_pos: int,
+                                field: str = "processing") -> DraftProcessing | None:
+    """A ProposeItem's processing -> DraftProcessing (None when it asks for nothing), every value checked:
+    the parameters as the verifier checks them, token ids in [0, vocab_size), and the history exactly the
+    anchor_pos + 1 tokens up to and including the anchor."""
+    params = check_sampling(params_from_proto(msg.params, field=f"{field}.params"), vocab_size,
+                            {k: f"{field}.params.{k}" for k in ("stop_token_ids", "temperature", "top_p", "top_k",
+                                                                "max_new_tokens")})
+    for name in ("prompt_token_ids", "output_token_ids"):
+        ids = getattr(msg, name)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(f"{field}.{name}", bad[:5], f"must be token ids in [0, {vocab_size})")
+    n = len(msg.prompt_token_ids) + len(msg.output_token_ids)
+    if n != anchor_pos + 1:
+        raise InvalidArgument(f"{field}.output_token_ids", f"{n} tokens with the prompt",
+                              f"must be the anchor_position + 1 = {anchor_pos + 1} tokens up to the anchor")
+    if not params.processed:
+        return None
+    return DraftProcessing(params, TokenHistory(tuple(msg.prompt_token_ids), tuple(msg.output_token_ids)))

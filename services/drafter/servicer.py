@@ -25,7 +25,7 @@ from dspark_protos.dspark.v1 import drafter_service_pb2_grpc, types_pb2
 
 from ..common import metrics
 from ..common.batcher import Coalescer
-from ..common.convert import features_from_proto, kind_to_proto, proposal_to_proto
+from ..common.convert import draft_processing_from_proto, features_from_proto, kind_to_proto, proposal_to_proto
 from ..common.errors import Unavailable
 from ..common.heartbeat import Ewma
 from ..common.identity import OwnedTable, caller_of, key, split
@@ -55,6 +55,7 @@ class _Job:
     max_draft_tokens: int
     coupling_seed: int | None = None  # the request's seed when it is verified by coupling
     tokens: list[int] | None = None  # context_token_ids, one per feature row (None: not sent)
+    processing: object = None  # the item's DraftProcessing (None: not sent, or nothing to do)
     error: tuple[int, str, int] | None = None  # (status, message, context_length)
 
 
@@ -143,7 +144,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                                      new_tokens=j.tokens if j.tokens is not None else self._new_tokens(ctx, j.start, rows),
                                      anchor=j.anchor,
                                      anchor_pos=j.anchor_pos, temperature=j.temperature, generator=gen,
-                                     coupling_seed=j.coupling_seed))
+                                     coupling_seed=j.coupling_seed, processing=j.processing))
             runnable.append(j)
         out: dict[int, object] = {}
         if items:
@@ -222,6 +223,9 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                     raise InvalidArgument(f"{f}.context_token_ids", bad[:5], f"must be token ids in [0, {vocab})")
                 if it.context_token_ids:
                     job.tokens = [int(t) for t in it.context_token_ids]
+                if it.HasField("processing"):
+                    job.processing = draft_processing_from_proto(it.processing, vocab, job.anchor_pos,
+                                                                 f"{f}.processing")
                 if it.HasField("context_features"):
                     job.features = features_from_proto(it.context_features, f"{f}.context_features",
                                                        self.num_layers, self.hidden).to(

@@ -78,6 +78,48 @@ def test_speculative_greedy_with_processing_equals_the_targets_own(target, draft
         assert any(set(r.output_ids) & set(target.eos_token_ids) for r in unprocessed)
 
 
+class _Recording:
+    """The drafter, recording every proposal; `strip` hides the items' processing from it (what a drafter that
+    does not process its own logits sees)."""
+
+    def __init__(self, inner, strip: bool = False):
+        self.inner, self.strip, self.proposals = inner, strip, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, items):
+        if self.strip:
+            items = [dataclasses.replace(it, processing=None) for it in items]
+        out = self.inner.propose(items)
+        self.proposals += out
+        return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_drafter_drafts_from_its_own_logits_processed_as_the_targets(target, drafter, prompts, temperature):
+    """min_tokens bans the request's most frequent tokens (as stop ids) for the whole answer: a drafter given the
+    processing never proposes them, one that is not proposes them and loses those rounds; outputs are the same
+    either way (the processed target decides)."""
+    plain = SamplingParams(temperature=0, max_new_tokens=40)
+    ar = _run(Engine(target, None, EngineConfig(policy="ar")), prompts, [plain] * len(prompts))
+    counts = torch.bincount(torch.tensor([t for r in ar for t in r.output_ids]))
+    banned = tuple(counts.topk(6).indices.tolist())
+    params = SamplingParams(temperature=temperature, seed=5 if temperature else None, max_new_tokens=40,
+                            min_tokens=40, stop_token_ids=banned)
+    outs, drafted = {}, {}
+    for name, strip in (("native", False), ("stripped", True)):
+        rec = _Recording(drafter, strip)
+        res = _run(Engine(target, rec, EngineConfig(policy="fixed")), prompts, [params] * len(prompts))
+        outs[name] = [r.output_ids for r in res]
+        drafted[name] = [t for p in rec.proposals for t in p.tokens]
+        assert all(p.processed is not strip for p in rec.proposals)
+    assert outs["native"] == outs["stripped"]
+    assert not set(t for o in outs["native"] for t in o) & set(banned)
+    assert not set(drafted["native"]) & set(banned)
+    assert set(drafted["stripped"]) & set(banned)  # the test can tell the two apart
+
+
 def _teacher_forced_logprobs(target, prompt, output, params):
     """Logprobs of `output` from one plain forward over prompt + output, processed row by row."""
     seq = target.new_sequence()

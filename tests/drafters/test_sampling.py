@@ -1,5 +1,7 @@
 """Truncated top-k sampling converges to the renormalised top-k distribution; T = 0 is argmax."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -94,3 +96,50 @@ def test_coupled_rows_run_the_exponential_race_and_the_rest_are_unchanged(suppor
         assert t in ids.tolist()
         seen.add(t)
     assert len(seen) >= 3
+
+
+@pytest.mark.parametrize("id_map", [None, torch.tensor([0, 2, 3, 5, 7, 8])], ids=["full", "draft-vocab"])
+def test_processed_rows_choose_from_the_targets_processing_of_their_logits(id_map):
+    """A row with a DraftProcessing is chosen from its logits processed exactly as the target's (penalties over
+    history + the row's earlier slots, min_tokens' stop mask, min-p); other rows are untouched."""
+    from dspark_core.drafters.base import DraftProcessing
+    from dspark_core.sampling import SamplingParams, TokenHistory, process_logits
+
+    cols = id_map if id_map is not None else torch.arange(6)
+    logits = torch.tensor([[0.0, 0.5, 3.0, 2.9, 1.0, -2.0]] * 2)
+    top = int(cols[2])  # the unprocessed argmax of both rows
+    params = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5,
+                            min_tokens=5, stop_token_ids=(int(cols[3]),))
+    history = TokenHistory(prompt_ids=(top,), output_ids=(int(cols[4]),))
+    choose = TokenChooser(torch.zeros(2), 6, 6, id_map, [DraftProcessing(params, history), None])
+    first = choose(logits, None)
+    assert int(first.tokens[1]) == top  # no processing: the raw argmax
+    # row 0: `top` is in the prompt (repetition: 3.0 / 1.5 = 2.0), the stop id (2.9) is masked (min_tokens),
+    # column 4 of the output is penalised (1.0 / 1.5 - 0.5); column 1 (0.5) loses to `top`'s 2.0
+    assert int(first.tokens[0]) == top
+    if id_map is None:  # the same as the target's own processing of these logits
+        assert int(process_logits(logits[:1], params, history).argmax()) == top
+    # slot 2: the chosen `top` is now counted as output too: 2.0 -> 2.0 - 0.5 = 1.5 still wins over 0.5 ...
+    second = choose(logits, None)
+    assert choose.drafted[0] == [top, int(second.tokens[0])]
+    # ... and with a stronger frequency penalty the row's own earlier draft moves it to column 1
+    strong = dataclasses.replace(params, frequency_penalty=2.0)
+    choose = TokenChooser(torch.zeros(2), 6, 6, id_map, [DraftProcessing(strong, history), None])
+    assert int(choose(logits, None).tokens[0]) == top  # 2.0: nothing of `top` generated yet
+    assert int(choose(logits, None).tokens[0]) == int(cols[1])  # 2.0 - 2.0 = 0 < 0.5
+    assert int(choose(logits, None).tokens[1]) == top
+
+
+def test_processed_sampled_rows_carry_the_processed_distribution_and_min_p():
+    from dspark_core.drafters.base import DraftProcessing
+    from dspark_core.sampling import SamplingParams, TokenHistory
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    params = SamplingParams(temperature=1.0, presence_penalty=1.0, min_p=0.2)
+    history = TokenHistory(prompt_ids=(), output_ids=(0,))
+    choice = TokenChooser(torch.ones(1), 4, 4, None, [DraftProcessing(params, history)])(logits, torch.tensor([0.5]))
+    scores = torch.tensor([1.0, 1.0, 0.0, -1.0])  # token 0 penalised by presence
+    q = torch.softmax(scores, -1)
+    q = torch.where(q < 0.2 * q.max(), torch.zeros(()), q)
+    torch.testing.assert_close(choice.support_probs[0], q / q.sum())
+    assert float(choice.support_probs[0, 3]) == 0.0  # min-p removed it

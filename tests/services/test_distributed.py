@@ -139,6 +139,47 @@ def test_the_drafter_service_draws_a_coupled_item_by_the_seeds_race(stack):
         ch.close()
 
 
+def test_the_drafter_service_drafts_from_its_logits_processed_as_the_targets(stack):
+    """ProposeItem.processing: the drafter applies the request's processing to its own logits (here min_tokens
+    banning the very tokens it drafts unprocessed) and says so in Proposal.processed; a malformed processing
+    fails its own item, naming the field, and the item beside it is drafted."""
+    import torch
+
+    from dspark_protos.tensors import tensor_to_proto
+
+    stub, ch = cluster.drafter_stub(stack["d"])
+    info = stub.GetInfo(types_pb2.DrafterServiceGetInfoRequest())
+    feats = torch.randn((5, len(info.target_layer_ids), info.target_hidden_size), generator=torch.Generator().manual_seed(1))
+
+    def item(rid, banned=None, prompt=(1, 2, 3, 4, 5), output=(11,)):
+        it = types_pb2.ProposeItem(request_id=rid, anchor_token_id=11, anchor_position=5, temperature=0.0)
+        it.context_features.start_position = 0
+        tensor_to_proto(feats, it.context_features.hidden_states)
+        if banned is not None:
+            it.processing.params.min_tokens = 50
+            it.processing.params.stop_token_ids.extend(banned)
+            it.processing.prompt_token_ids.extend(prompt)
+            it.processing.output_token_ids.extend(output)
+        return it
+
+    try:
+        raw = stub.Propose(types_pb2.ProposeRequest(items=[item("plain")])).proposals[0]
+        assert raw.status == types_pb2.ITEM_STATUS_OK and not raw.processed
+        banned = sorted(set(raw.draft_token_ids))
+        resp = stub.Propose(types_pb2.ProposeRequest(items=[
+            item("banned", banned), item("short", banned, output=()), item("huge", banned, prompt=(1, 2, 3, 4, 99999))]))
+        ok, short, huge = resp.proposals
+        assert ok.status == types_pb2.ITEM_STATUS_OK and ok.processed
+        assert len(ok.draft_token_ids) == len(raw.draft_token_ids) and not set(ok.draft_token_ids) & set(banned)
+        assert short.status == types_pb2.ITEM_STATUS_INVALID_ARGUMENT
+        assert "items[1].processing.output_token_ids" in short.error_message and "6" in short.error_message
+        assert huge.status == types_pb2.ITEM_STATUS_INVALID_ARGUMENT
+        assert "items[2].processing.prompt_token_ids" in huge.error_message and "99999" in huge.error_message
+        stub.Release(types_pb2.DrafterServiceReleaseRequest(request_ids=["plain", "banned", "short", "huge"]))
+    finally:
+        ch.close()
+
+
 def test_list_models_and_reflection(stack):
     resp = stack["stub"].ListModels(types_pb2.ListModelsRequest())
     assert resp.default_model == "target" and resp.models[0].default_drafter == "dspark"

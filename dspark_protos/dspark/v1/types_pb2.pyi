@@ -513,7 +513,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "context_features", "anchor_token_id", "anchor_position", "temperature", "seed", "max_draft_tokens", "context_token_ids", "coupling_seed")
+    __slots__ = ("request_id", "context_features", "anchor_token_id", "anchor_position", "temperature", "seed", "max_draft_tokens", "context_token_ids", "coupling_seed", "processing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +523,7 @@ class ProposeItem(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COUPLING_SEED_FIELD_NUMBER: _ClassVar[int]
+    PROCESSING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_features: ContextFeatures
     anchor_token_id: int
@@ -532,7 +533,18 @@ class ProposeItem(_message.Message):
     max_draft_tokens: int
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
     coupling_seed: int
-    def __init__(self, request_id: _Optional[str] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., coupling_seed: _Optional[int] = ...) -> None: ...
+    processing: DraftProcessing
+    def __init__(self, request_id: _Optional[str] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., coupling_seed: _Optional[int] = ..., processing: _Optional[_Union[DraftProcessing, _Mapping]] = ...) -> None: ...
+
+class DraftProcessing(_message.Message):
+    __slots__ = ("params", "prompt_token_ids", "output_token_ids")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    params: SamplingParams
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals", "stats")
@@ -543,7 +555,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("request_id", "status", "error_message", "draft_token_ids", "draft_supports", "confidences", "context_length")
+    __slots__ = ("request_id", "status", "error_message", "draft_token_ids", "draft_supports", "confidences", "context_length", "processed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -551,6 +563,7 @@ class Proposal(_message.Message):
     DRAFT_SUPPORTS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: ItemStatus
     error_message: str
@@ -558,7 +571,8 @@ class Proposal(_message.Message):
     draft_supports: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     confidences: _containers.RepeatedScalarFieldContainer[float]
     context_length: int
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., error_message: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_supports: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., confidences: _Optional[_Iterable[float]] = ..., context_length: _Optional[int] = ...) -> None: ...
+    processed: bool
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[ItemStatus, str]] = ..., error_message: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_supports: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., confidences: _Optional[_Iterable[float]] = ..., context_length: _Optional[int] = ..., processed: _Optional[bool] = ...) -> None: ...
 
 class DrafterServiceReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
