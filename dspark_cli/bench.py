@@ -75,7 +75,8 @@ def add_parser(sub) -> None:
     p.add_argument("--drafter-path", default=None, help="drafter checkpoint directory (DeepSpec format)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
     p.add_argument("--hf-assistant", default=None,
-                   help="assistant model directory for HF assisted generation (default: models/assistant)")
+                   help="assistant model directory for HF assisted generation (default: the target's, "
+                        "models/assistant for tiny, models/<target>/assistant for another)")
     p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
                    help="prompt_lookup_num_tokens of HF prompt-lookup decoding (default 10)")
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer")
@@ -181,15 +182,16 @@ def load_hf_peer(args, target_dir: str, warnings: list[str]):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dspark_core.benchmark import HFPeer
+    from dspark_core.benchmark import HFPeer, load_assistant
+    from dspark_core.stack import drafters_dir
     from dspark_core.target import resolve_device
 
     dev = resolve_device(args.device)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(dev).eval()
-    asst_dir = args.hf_assistant or str(models_dir() / "assistant")
+    asst_dir = args.hf_assistant or str(drafters_dir(target_dir) / "assistant")
     assistant = None
     if (Path(asst_dir) / "config.json").exists():
-        assistant = AutoModelForCausalLM.from_pretrained(asst_dir, dtype=torch.float32).to(dev).eval()
+        assistant = load_assistant(asst_dir, model).to(dev)
         theirs, mine = assistant.get_output_embeddings().weight.shape[0], model.get_output_embeddings().weight.shape[0]
         if theirs != mine:
             if args.hf_assistant:

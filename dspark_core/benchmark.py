@@ -23,7 +23,8 @@ tokens/s(fixed) / tokens/s(ar) on the same prompt in the same round.
 
 Hugging Face peer (batch 1, same target weights in fp32 via `AutoModelForCausalLM`): plain greedy
 `model.generate`, assisted generation with a small assistant model (`assistant_model=`, transformers'
-default assistant schedule) and prompt-lookup decoding (`prompt_lookup_num_tokens=K`). Greedy only.
+default assistant schedule) and prompt-lookup decoding (`prompt_lookup_num_tokens=K`), greedy or sampled at
+`--temperature` (the full tempered distribution, as ours).
 
 Everything here is a library: no argument parsing, no printing. Progress goes through a callback.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 from .errors import InvalidArgument
@@ -85,6 +87,50 @@ class RequestRecord:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
+
+
+ASSISTANT_LAYERS_FILE = "assistant_layers.safetensors"
+
+
+def load_assistant(assistant_dir: str | Path, target_model=None):
+    """The Hugging Face assistant model in `assistant_dir` (float32, eval mode), or None when there is none.
+
+    A directory with a whole model (`model.safetensors`) loads as it is. One saved with frozen embeddings
+    (`scripts/train_assistant.py --freeze-embeddings`: `config.json` + `assistant_layers.safetensors`) is built
+    from its config with `target_model`'s input embeddings and LM head (one tensor when tied) and its own
+    tensors; its vocabulary and width must then be the target's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = Path(assistant_dir)
+    if not (d / "config.json").exists():
+        return None
+    if not (d / ASSISTANT_LAYERS_FILE).exists():
+        return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    if target_model is None:
+        raise InvalidArgument("assistant", str(d), "stores no embeddings: it needs the target model to take them from")
+    cfg = AutoConfig.from_pretrained(d)
+    emb = target_model.get_input_embeddings().weight
+    if cfg.vocab_size != emb.shape[0] or cfg.hidden_size != emb.shape[1]:
+        raise InvalidArgument("assistant", str(d), f"must match the target's embeddings {tuple(emb.shape)}; it has "
+                                                   f"vocabulary {cfg.vocab_size}, hidden {cfg.hidden_size}")
+    cfg.dtype = "float32"
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    own = load_file(str(d / ASSISTANT_LAYERS_FILE))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in own.items()}, strict=False)
+    missing = [k for k in missing if "embed_tokens" not in k and "lm_head" not in k]
+    if missing or unexpected:
+        raise InvalidArgument("assistant", str(d), f"tensors do not fit its config (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(emb.to(torch.float32))
+        if not getattr(cfg, "tie_word_embeddings", False):  # an untied LM head is the target's too
+            model.get_output_embeddings().weight.copy_(target_model.get_output_embeddings().weight.to(torch.float32))
+    model.tie_weights()
+    return model.to(emb.device).eval()
 
 
 @dataclass
@@ -261,15 +307,22 @@ def summarize_point(policy: str, concurrency: int, walls: list[float], runs: lis
     }
 
 
-def hf_generate(peer: HFPeer, mode: str, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], float]:
-    """One greedy `model.generate` call of the given mode; returns (new token ids, seconds)."""
+def hf_generate(peer: HFPeer, mode: str, prompt_ids: Sequence[int], max_new_tokens: int,
+                temperature: float = 0.0, seed: int | None = None) -> tuple[list[int], float]:
+    """One `model.generate` call of the given mode, greedy or (temperature > 0) sampling from the full tempered
+    distribution (no top-k / top-p; transformers' assisted and prompt-lookup modes verify sampled drafts
+    losslessly too); returns (new token ids, seconds)."""
     import torch
 
     model = peer.model
     dev = next(model.parameters()).device
     x = torch.tensor([list(prompt_ids)], device=dev)
-    kwargs = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+    kwargs = dict(attention_mask=torch.ones_like(x), do_sample=temperature > 0, max_new_tokens=max_new_tokens,
                   eos_token_id=list(peer.eos_token_ids) or None, pad_token_id=peer.pad_token_id)
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+        if seed is not None:
+            torch.manual_seed(seed)
     if mode == "assisted":
         kwargs["assistant_model"] = peer.assistant
     elif mode == "prompt_lookup":
@@ -312,8 +365,6 @@ def plan(settings: BenchSettings, drafter, sps, hf: "HFPeer | None") -> tuple[li
     if hf is not None:
         if 1 not in settings.concurrencies:
             warnings.append("Hugging Face peer skipped: it runs at concurrency 1, which is not measured")
-        elif settings.temperature != 0:
-            warnings.append("Hugging Face peer skipped: it is measured greedy only (--temperature 0)")
         else:
             hf_modes = ["greedy", "prompt_lookup"]
             if hf.assistant is not None:
@@ -368,7 +419,8 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
                 k = (rep * len(prompts) + i) % len(names)
                 for name in names[k:] + names[:k]:
                     if name.startswith("hf_"):
-                        ids, dt = hf_generate(hf, name[3:], prompt, settings.max_new_tokens)
+                        ids, dt = hf_generate(hf, name[3:], prompt, settings.max_new_tokens, settings.temperature,
+                                              settings.seed * 1_000_003 + i)
                         rec = RequestRecord(i, len(ids), dt, 0.0, 0, 0, ids)
                     elif name.startswith("llamacpp_"):
                         ids, dt = llamacpp_generate(llamacpp, name[9:], prompt, settings.max_new_tokens)
@@ -431,8 +483,9 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
         out["hf_per_request_median"] = {m: round(statistics.median(r.tokens_per_s for _, _, r in batch1[f"hf_{m}"]), 3)
                                         for m in hf_modes}
         ref = outputs.get(("ar", 1))
+        # greedy only: sampled outputs are each a draw of the same distribution, not the same tokens
         out["hf_outputs_match_ar"] = ({m: all(ref.get(i) == ids for i, ids in hf_out[m].items()) for m in hf_modes}
-                                      if ref is not None else None)
+                                      if ref is not None and settings.temperature == 0 else None)
         if keep_outputs:
             out["hf_outputs"] = {m: {i: hf_out[m][i] for i in sorted(hf_out[m])} for m in hf_modes}
     else:

@@ -1,24 +1,35 @@
-"""Train a tiny autoregressive *assistant* model for the bundled target: the peer drafter that Hugging Face
+"""Train a small autoregressive *assistant* model for a target: the peer drafter that Hugging Face
 transformers' assisted generation (`model.generate(..., assistant_model=...)`) uses in `dspark bench`.
 
-The assistant is a 2-layer `Qwen3ForCausalLM` with the target's tokenizer, distilled from the target:
+The assistant is a 2-layer model of the target's own architecture (Qwen3 for the bundled target, Llama for
+SmolLM2) with the target's tokenizer, distilled from the target:
 
 1. initialisation ("shrink"): the target's embeddings / tied LM head and final norm, and two of its
-   layers (default: the first and the last), with each MLP cut to the `--intermediate` neurons of largest
-   weight norm. Width stays the target's (256), so the embeddings carry over as they are.
+   layers (`--layers`, e.g. the first and the last), with each MLP cut to the `--intermediate` neurons of
+   largest weight norm. Width stays the target's, so the embeddings carry over as they are
+   (`--freeze-embeddings` keeps them and saves the assistant without them).
 2. data: the target's own greedy answers to the *train* split of the dev prompt sets
    (`dspark_core.training.data.load_prompts` / `split` / `distill`; the held-out 20% split that `dspark
    eval` and `dspark bench` use is never read), code prompts first, until `--distill-minutes` are spent;
-   plus, with `--corpus-fraction > 0`, windows of the target's own training corpus
+   or `--responses FILE ...`, answers distilled before (the drafters' `data/distill/*.jsonl`); plus, with
+   `--corpus-fraction > 0`, windows of the bundled target's own training corpus
    (`scripts/train_bundled_model.py::build_corpus`, imported, not copied).
 3. training: KL(target || assistant) on the target's full next-token distribution plus cross-entropy to
    the target's argmax (what greedy acceptance needs), for `--train-minutes` of wall time; the learning
-   rate follows warm-up then cosine over the *time* budget.
+   rate follows warm-up then cosine over the *time* budget. `--kl-weight 0` runs no target pass at all:
+   cross-entropy on the answers' tokens (sequence-level distillation; for SmolLM2, whose forward pass would
+   cost more than the assistant's step).
 
-Run it niced on one thread, in the background (the numbers in the model card come from such a run):
+Run it niced on one thread, in the background (the numbers in the model cards come from such runs):
 
     setsid nohup nice -n 5 env OMP_NUM_THREADS=1 .venv/bin/python scripts/train_assistant.py \
         --out models/assistant > runs/assistant.log 2>&1 &
+
+    # SmolLM2: the drafters' answers and CPU budget (~35 min of one core each)
+    .venv/bin/python scripts/train_assistant.py --target smollm2 --layers 0,29 --intermediate 1536 \
+        --responses data/distill/smollm2-t0.jsonl data/distill/smollm2-t1.jsonl --kl-weight 0 --prompt-weight 0 \
+        --corpus-fraction 0 --freeze-embeddings --batch 4 --seq-len 256 --train-minutes 35 \
+        --out models/smollm2/assistant
 """
 
 from __future__ import annotations
@@ -45,22 +56,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 # ----------------------------------------------------------------------------- model
 
 def shrink_target(target, layer_ids: list[int], intermediate: int):
-    """A Qwen3 with the target's width, `layer_ids` of its layers and MLPs pruned to `intermediate` neurons."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A model of the target's own architecture (Qwen3, Llama, ...) and width, with `layer_ids` of its layers and
+    MLPs pruned to `intermediate` neurons; the embeddings, final norm and (tied) LM head are the target's."""
+    import copy
 
-    tc = target.config
-    cfg = Qwen3Config(
-        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=intermediate,
-        num_hidden_layers=len(layer_ids), num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
-        max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
-        tie_word_embeddings=True, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id, bos_token_id=None,
-        rope_parameters=getattr(tc, "rope_parameters", None),
-    )
-    model = Qwen3ForCausalLM(cfg)
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = len(layer_ids)
+    cfg.intermediate_size = intermediate
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [cfg.layer_types[i] for i in layer_ids]
+    if getattr(cfg, "max_window_layers", None) is not None:
+        cfg.max_window_layers = min(cfg.max_window_layers, len(layer_ids))
+    model = type(target)(cfg)
     src, dst = target.model, model.model
     with torch.no_grad():
         dst.embed_tokens.weight.copy_(src.embed_tokens.weight)
+        if not getattr(cfg, "tie_word_embeddings", False):
+            model.lm_head.weight.copy_(target.lm_head.weight)
         dst.norm.weight.copy_(src.norm.weight)
         for new, old in enumerate(layer_ids):
             a, b = src.layers[old], dst.layers[new]
@@ -70,15 +82,13 @@ def shrink_target(target, layer_ids: list[int], intermediate: int):
             # keep the neurons whose in- and out-weights are largest
             score = (a.mlp.gate_proj.weight.norm(dim=1) * a.mlp.up_proj.weight.norm(dim=1)
                      * a.mlp.down_proj.weight.norm(dim=0))
-            keep = score.topk(intermediate).indices.sort().values
+            keep = score.topk(min(intermediate, score.shape[0])).indices.sort().values
             b.mlp.gate_proj.weight.copy_(a.mlp.gate_proj.weight[keep])
             b.mlp.up_proj.weight.copy_(a.mlp.up_proj.weight[keep])
             b.mlp.down_proj.weight.copy_(a.mlp.down_proj.weight[:, keep])
     model.tie_weights()
     return model
 
-
-# ----------------------------------------------------------------------------- data
 
 def interleave(*lists):
     out = []
@@ -169,18 +179,36 @@ def distill_loss(student_logits, teacher_logits, weights, ce_weight: float):
     return loss, (kl * weights).sum() / norm, (agree * weights).sum() / norm
 
 
+def answer_loss(student, x, att, w):
+    """Cross-entropy of the student on the weighted next tokens (sequence-level distillation: the answers are
+    the target's own), the LM head run only where a weight is set. Returns (loss, top-1 agreement)."""
+    h = student.model(input_ids=x, attention_mask=att).last_hidden_state  # [B, T, H]
+    sel = w > 0
+    nxt = torch.roll(x, -1, dims=1)[sel]  # position t predicts token t + 1 (the last position has weight 0)
+    logits = student.lm_head(h[sel]).float()  # [n, V]
+    weights = w[sel]
+    ce = F.cross_entropy(logits, nxt, reduction="none")
+    norm = weights.sum().clamp_min(1e-9)
+    return (ce * weights).sum() / norm, ((logits.argmax(-1) == nxt).float() * weights).sum() / norm
+
+
 @torch.no_grad()
 def evaluate(student, teacher, samples, idx, args, pad_id) -> dict:
+    """KL to the teacher and top-1 agreement with its argmax; without a teacher (--kl-weight 0), the answer
+    tokens' cross-entropy and top-1 agreement with them (the target's argmax for greedy answers)."""
     student.eval()
-    tot = {"kl": 0.0, "top1_agreement": 0.0}
+    tot = {"kl": 0.0, "top1_agreement": 0.0} if teacher is not None else {"answer_ce": 0.0, "top1_agreement": 0.0}
     n = 0
     for i in range(0, len(idx), args.batch):
         x, att, w = make_batch(samples, idx[i:i + args.batch], args.seq_len, pad_id, 0.0)
-        t = teacher(input_ids=x, attention_mask=att).logits
-        s = student(input_ids=x, attention_mask=att).logits
-        _, kl, agree = distill_loss(s, t, w, 0.0)
+        if teacher is not None:
+            t = teacher(input_ids=x, attention_mask=att).logits
+            s = student(input_ids=x, attention_mask=att).logits
+            _, first, agree = distill_loss(s, t, w, 0.0)
+        else:
+            first, agree = answer_loss(student, x, att, w)
         k = float(w.sum())
-        tot["kl"] += float(kl) * k
+        tot[next(iter(tot))] += float(first) * k
         tot["top1_agreement"] += float(agree) * k
         n += k
     student.train()
@@ -191,9 +219,13 @@ def evaluate(student, teacher, samples, idx, args, pad_id) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default=str(REPO / "models" / "target"))
+    p.add_argument("--target", default=str(REPO / "models" / "target"),
+                   help="target model directory, or a name `dspark` resolves (e.g. smollm2)")
     p.add_argument("--out", default=str(REPO / "models" / "assistant"))
     p.add_argument("--data", nargs="*", default=[str(f) for f in DEFAULT_DATA])
+    p.add_argument("--responses", nargs="*", default=None,
+                   help="train on these distilled answers ({prompt_ids, response_ids} per line, e.g. the drafters' "
+                        "data/distill/*.jsonl) instead of distilling --data")
     p.add_argument("--layers", default="0,7", help="target layers the assistant starts from (default 0,7)")
     p.add_argument("--intermediate", type=int, default=512, help="MLP neurons kept per layer (default 512)")
     p.add_argument("--distill-minutes", type=float, default=5.0)
@@ -204,10 +236,17 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=384, help="tokens per training sequence (tail kept)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--kl-weight", type=float, default=1.0,
+                   help="weight of KL(target || assistant) (default 1); 0: no target pass at all, cross-entropy "
+                        "on the answers' tokens only (sequence-level distillation, for a target too slow to run "
+                        "beside training)")
     p.add_argument("--ce-weight", type=float, default=0.5)
     p.add_argument("--prompt-weight", type=float, default=0.1, help="loss weight of prompt positions")
     p.add_argument("--corpus-fraction", type=float, default=0.25,
-                   help="share of batches drawn from the target's own training corpus (default 0.25)")
+                   help="share of batches drawn from the target's own training corpus (bundled target only)")
+    p.add_argument("--freeze-embeddings", action="store_true",
+                   help="keep the target's embeddings / tied LM head as they are, and save the assistant without "
+                        "them: `dspark_core.benchmark.load_assistant` takes them from the target")
     p.add_argument("--eval-samples", type=int, default=48, help="distilled samples kept out for the card")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -215,22 +254,46 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from dspark_core.stack import resolve_target
+
     hf_logging.set_verbosity_error()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     t_start = time.time()
+    args.target = resolve_target(args.target) if not Path(args.target).is_dir() else args.target
     tok = AutoTokenizer.from_pretrained(args.target)
-    teacher = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    for q in teacher.parameters():
+    source = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    for q in source.parameters():
         q.requires_grad_(False)
+    teacher = source if args.kl_weight > 0 else None
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     layer_ids = [int(v) for v in args.layers.split(",")]
-    student = shrink_target(teacher, layer_ids, args.intermediate).float().train()
+    student = shrink_target(source, layer_ids, args.intermediate).float().train()
+    if teacher is None:
+        del source  # only its weights were needed
+    if args.freeze_embeddings:
+        student.get_input_embeddings().weight.requires_grad_(False)
+        student.get_output_embeddings().weight.requires_grad_(False)
     n_params = sum(q.numel() for q in student.parameters())
-    print(f"assistant: {n_params / 1e6:.2f}M parameters from target layers {layer_ids}", flush=True)
+    n_own = sum(q.numel() for n, q in student.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    print(f"assistant: {n_params / 1e6:.2f}M parameters ({n_own / 1e6:.2f}M besides the embeddings) from target "
+          f"layers {layer_ids}", flush=True)
 
-    samples, dstats = distill_train_split(args.data, args.target, args.distill_minutes, args.max_new_tokens,
-                                          args.max_prompt_tokens, args.chunk, args.seed)
+    if args.responses:
+        from dspark_core.training.data import load_responses
+
+        samples, t0 = [], time.time()
+        for f in args.responses:
+            got, held, long_ = load_responses(f, tok, max_length=None)
+            samples += got
+        dstats = {"responses": [str(Path(f).resolve().relative_to(REPO)) if Path(f).resolve().is_relative_to(REPO)
+                                else str(f) for f in args.responses],
+                  "prompts_answered": len(samples), "samples": len(samples),
+                  "answer_tokens": sum(len(s.response_ids) for s in samples), "seconds": 0.0,
+                  "max_new_tokens": max(len(s.response_ids) for s in samples), "temperature": "as distilled"}
+    else:
+        samples, dstats = distill_train_split(args.data, args.target, args.distill_minutes, args.max_new_tokens,
+                                              args.max_prompt_tokens, args.chunk, args.seed)
     order = list(range(len(samples)))
     rng.shuffle(order)
     eval_idx, train_idx = order[: args.eval_samples], order[args.eval_samples:]
@@ -242,7 +305,8 @@ def main() -> None:
     init_eval = evaluate(student, teacher, samples, eval_idx, args, pad_id)
     print(f"eval at init: {init_eval}", flush=True)
 
-    opt = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW([q for q in student.parameters() if q.requires_grad], lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
     budget = args.train_minutes * 60
     t0, step, tokens, losses, agrees = time.time(), 0, 0, [], []
     cursor = len(train_idx)
@@ -264,21 +328,26 @@ def main() -> None:
             x, att, w = make_batch(samples, train_idx[cursor:cursor + args.batch], args.seq_len, pad_id,
                                    args.prompt_weight)
             cursor += args.batch
-        with torch.no_grad():
-            t_logits = teacher(input_ids=x, attention_mask=att).logits
-        s_logits = student(input_ids=x, attention_mask=att).logits
-        loss, kl, agree = distill_loss(s_logits, t_logits, w, args.ce_weight)
+        if teacher is not None:
+            with torch.no_grad():
+                t_logits = teacher(input_ids=x, attention_mask=att).logits
+            s_logits = student(input_ids=x, attention_mask=att).logits
+            loss, kl, agree = distill_loss(s_logits, t_logits, w, args.ce_weight)
+            loss = args.kl_weight * kl + (loss - kl)
+        else:
+            loss, agree = answer_loss(student, x, att, w)
+            kl = loss  # reported as the answer cross-entropy
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([q for q in student.parameters() if q.requires_grad], 1.0)
         opt.step()
         step += 1
         tokens += int(att.sum())
         losses.append(float(kl.detach()))
         agrees.append(float(agree.detach()))
         if step % 10 == 0:
-            print(f"step {step} {time.time() - t0:.0f}s lr {lr:.2e} kl {sum(losses[-10:]) / 10:.3f} "
-                  f"top1 {sum(agrees[-10:]) / 10:.3f}", flush=True)
+            print(f"step {step} {time.time() - t0:.0f}s lr {lr:.2e} {'kl' if teacher is not None else 'ce'} "
+                  f"{sum(losses[-10:]) / 10:.3f} top1 {sum(agrees[-10:]) / 10:.3f}", flush=True)
     train_seconds = time.time() - t0
     final_eval = evaluate(student, teacher, samples, eval_idx, args, pad_id)
     print(f"eval at end: {final_eval}", flush=True)
@@ -290,18 +359,32 @@ def main() -> None:
     student.generation_config.eos_token_id = student.config.eos_token_id
     student.generation_config.pad_token_id = student.config.pad_token_id
     student.generation_config.do_sample = False
-    student.save_pretrained(out)
-    for name in TOKENIZER_FILES:
+    if args.freeze_embeddings:
+        from safetensors.torch import save_file
+
+        from dspark_core.benchmark import ASSISTANT_LAYERS_FILE
+
+        own = {n: q.detach().contiguous() for n, q in student.state_dict().items()
+               if "embed_tokens" not in n and "lm_head" not in n}
+        save_file(own, str(out / ASSISTANT_LAYERS_FILE), metadata={"embeddings": "the target's (frozen)"})
+        student.config.save_pretrained(out)
+        student.generation_config.save_pretrained(out)
+    else:
+        student.save_pretrained(out)
+    for name in () if args.freeze_embeddings else TOKENIZER_FILES:  # frozen: the target's tokenizer too
         if (Path(args.target) / name).exists():
             shutil.copy(Path(args.target) / name, out / name)
     card = {
-        "parameters": n_params, "init": {"target_layers": layer_ids, "intermediate": args.intermediate},
+        "parameters": n_params, "own_parameters": n_own,
+        "init": {"target_layers": layer_ids, "intermediate": args.intermediate},
+        "architecture": type(student).__name__, "hidden_size": student.config.hidden_size,
+        "vocab_size": student.config.vocab_size,
         "distill": dstats, "train_steps": step, "train_tokens": tokens,
         "train_minutes": round(train_seconds / 60, 2), "total_minutes": round((time.time() - t_start) / 60, 2),
         "final_train_kl": round(sum(losses[-20:]) / max(len(losses[-20:]), 1), 4),
         "final_train_top1": round(sum(agrees[-20:]) / max(len(agrees[-20:]), 1), 4),
         "eval_at_init": init_eval, "eval_at_end": final_eval, "eval_samples": len(eval_idx),
-        "torch_threads": torch.get_num_threads(), "args": vars(args),
+        "torch_threads": torch.get_num_threads(), "args": vars(args), "command": " ".join(sys.argv[1:]),
     }
     (out / "training_stats.json").write_text(json.dumps(card, indent=1) + "\n")
     write_model_card(out, card)
@@ -312,32 +395,49 @@ def main() -> None:
 
 def write_model_card(out: Path, card: dict) -> None:
     a, d = card["args"], card["distill"]
+    teacher = a["kl_weight"] > 0
+    data = (f"the target's greedy answers (max {d['max_new_tokens']} tokens) to {d['prompts_answered']} train-split "
+            f"dev prompts ({d['samples']} answers, {d['answer_tokens']:,} answer tokens; code first)"
+            if "responses" not in d else
+            f"the drafters' distilled answers {', '.join(f'`{f}`' for f in d['responses'])} ({d['samples']} answers, "
+            f"{d['answer_tokens']:,} answer tokens; train-split prompts only)")
+    if a["corpus_fraction"] > 0:
+        data += f", plus {a['corpus_fraction']:.0%} of batches from the target's own training corpus"
+    loss = (f"KL(target || assistant) on the full next-token distribution + {a['ce_weight']} x CE to the target's "
+            f"argmax; answer positions weight 1, prompt positions {a['prompt_weight']}" if teacher else
+            "cross-entropy on the answers' tokens (sequence-level distillation: no target pass), answer positions "
+            f"weight 1, prompt positions {a['prompt_weight']}")
+    kl_or_ce = "KL" if teacher else "answer cross-entropy"
+    first = "kl" if teacher else "answer_ce"
+    emb = ("frozen: the target's, not stored here (`dspark_core.benchmark.load_assistant` builds the model from "
+           "the target and `assistant_layers.safetensors`)" if a["freeze_embeddings"] else "trained, stored")
     text = f"""# dspark assistant (Hugging Face assisted-generation peer)
 
-A tiny autoregressive `Qwen3ForCausalLM` distilled from the bundled target (`models/target`), with the
-target's tokenizer (vocabulary 4096). It exists to be the `assistant_model` of Hugging Face
+A small autoregressive `{card["architecture"]}` distilled from the target (`{a["target"]}`), with the target's
+tokenizer (vocabulary {card["vocab_size"]}). It exists to be the `assistant_model` of Hugging Face
 transformers' own assisted generation, the peer that `dspark bench` compares DSpark against at batch 1.
 It is not a drafter for the DSpark engine. Trained by `scripts/train_assistant.py`.
 
 | | |
 |---|---|
-| architecture | Qwen3, {len(card["init"]["target_layers"])} layers, hidden 256, intermediate {card["init"]["intermediate"]}, tied embeddings |
-| parameters | {card["parameters"]:,} |
+| architecture | {card["architecture"]}, {len(card["init"]["target_layers"])} layers, hidden {card["hidden_size"]}, intermediate {card["init"]["intermediate"]}, tied embeddings |
+| parameters | {card["parameters"]:,} ({card["own_parameters"]:,} besides the embeddings) |
+| embeddings / LM head | {emb} |
 | initialisation | the target's embeddings, final norm and layers {card["init"]["target_layers"]}, MLPs pruned to the {card["init"]["intermediate"]} neurons of largest weight norm |
-| data | the target's greedy answers (max {d["max_new_tokens"]} tokens) to {d["prompts_answered"]} train-split dev prompts ({d["samples"]} answers, {d["answer_tokens"]:,} answer tokens; code first), plus {a["corpus_fraction"]:.0%} of batches from the target's own training corpus |
+| data | {data} |
 | held-out prompts | never used: the 20% eval split of `dspark_core.training.data.split` is left out |
-| loss | KL(target or assistant) on the full next-token distribution + {a["ce_weight"]} x CE to the target's argmax; answer positions weight 1, prompt positions {a["prompt_weight"]} |
+| loss | {loss} |
 | training | {card["train_steps"]} steps x {a["batch"]} sequences (<= {a["seq_len"]} tokens), {card["train_tokens"]:,} tokens, AdamW lr {a["lr"]}, warm-up then cosine over a {a["train_minutes"]}-minute budget |
 | wall time | distillation {d["seconds"] / 60:.1f} min + training {card["train_minutes"]} min ({card["total_minutes"]} min in all) on {card["torch_threads"]} CPU thread(s) |
-| final training KL | {card["final_train_kl"]} (top-1 agreement with the target {card["final_train_top1"]}) |
-| {card["eval_samples"]} held-back distilled answers | KL {card["eval_at_init"]["kl"]} -> {card["eval_at_end"]["kl"]}, top-1 agreement {card["eval_at_init"]["top1_agreement"]} -> {card["eval_at_end"]["top1_agreement"]} (init -> trained) |
+| final training {kl_or_ce} | {card["final_train_kl"]} (top-1 agreement {card["final_train_top1"]}) |
+| {card["eval_samples"]} held-back answers | {kl_or_ce} {card["eval_at_init"][first]} -> {card["eval_at_end"][first]}, top-1 agreement {card["eval_at_init"]["top1_agreement"]} -> {card["eval_at_end"]["top1_agreement"]} (init -> trained) |
 | weights | bfloat16 safetensors |
 
 ## Reproduce
-`nice -n 5 env OMP_NUM_THREADS=1 .venv/bin/python scripts/train_assistant.py --out models/assistant`
+`nice -n 5 env OMP_NUM_THREADS=1 .venv/bin/python scripts/train_assistant.py {card.get("command", "--out " + str(a["out"]))}`
 (`training_stats.json` holds every argument and number above).
 """
-    (out / "README.md").write_text(text.replace("KL(target or assistant)", "KL(target || assistant)"))
+    (out / "README.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -166,3 +166,55 @@ def test_bad_policy_lists_are_refused(text):
         return
     with pytest.raises(InvalidArgument, match="--policy"):
         parse_policies(text)
+
+
+def test_hf_peer_samples_at_temperature_one_reproducibly(tiny_target_dir, tmp_path, target, drafter):
+    """--temperature 1: the HF modes sample (the full tempered distribution), seeded per prompt; greedy
+    equality with our engine is not claimed for samples."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark_core.benchmark import hf_generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    peer = HFPeer(model=model, prompt_lookup_num_tokens=3, eos_token_ids=(), pad_token_id=model.config.pad_token_id)
+    prompt = PROMPTS[0]
+    greedy, _ = hf_generate(peer, "greedy", prompt, 24)
+    first, _ = hf_generate(peer, "greedy", prompt, 24, temperature=1.0, seed=7)
+    again, _ = hf_generate(peer, "greedy", prompt, 24, temperature=1.0, seed=7)
+    other, _ = hf_generate(peer, "greedy", prompt, 24, temperature=1.0, seed=8)
+    assert first == again and len(first) == 24
+    assert first != greedy or other != greedy  # it really samples
+    settings = BenchSettings(policies=("fixed", "ar"), concurrencies=(1,), max_new_tokens=8, temperature=1.0)
+    out = run_benchmark(target, drafter, PROMPTS[:2], settings, hf=peer)
+    assert set(out["hf"]) == {"greedy", "prompt_lookup"} and out["hf_outputs_match_ar"] is None
+
+
+def test_an_assistant_saved_without_embeddings_is_rebuilt_from_the_targets(tiny_target_dir, tmp_path):
+    """scripts/train_assistant.py --freeze-embeddings stores config.json + the assistant's own tensors;
+    load_assistant takes the embeddings (tied LM head) from the target and computes what the whole model did."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from dspark_core.benchmark import ASSISTANT_LAYERS_FILE, load_assistant
+    from dspark_core.errors import InvalidArgument
+
+    target_model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    whole = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "whole", layers=1, seed=3),
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():  # the assistant was trained with the target's embeddings / LM head frozen
+        whole.get_input_embeddings().weight.copy_(target_model.get_input_embeddings().weight)
+        whole.get_output_embeddings().weight.copy_(target_model.get_output_embeddings().weight)
+    slim = tmp_path / "slim"
+    slim.mkdir()
+    whole.config.save_pretrained(slim)
+    save_file({k: v.contiguous() for k, v in whole.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k},
+              str(slim / ASSISTANT_LAYERS_FILE))
+    rebuilt = load_assistant(slim, target_model)
+    x = torch.tensor([PROMPTS[0][:12]])
+    torch.testing.assert_close(rebuilt(input_ids=x).logits, whole(input_ids=x).logits)
+    assert load_assistant(tmp_path / "none", target_model) is None
+    with pytest.raises(InvalidArgument, match="needs the target model"):
+        load_assistant(slim)
+    wrong = AutoModelForCausalLM.from_config(whole.config.__class__(**{**whole.config.to_dict(), "vocab_size": 64}))
+    with pytest.raises(InvalidArgument, match=f"vocabulary {whole.config.vocab_size}"):
+        load_assistant(slim, wrong)
