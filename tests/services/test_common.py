@@ -184,6 +184,41 @@ def test_proposal_and_block_conversions_round_trip_and_name_the_field():
         block_from_proto(item, "items[0]")
 
 
+def test_a_proposals_processing_travels_to_the_drafter_and_back_checked():
+    """The scheduler sends a request's processing with its ProposeItem (the complete stop set, prompt and
+    output); the drafter reads back the same DraftProcessing, refuses bad values naming the field, and a
+    request without processing (or with none that matters) sends nothing."""
+    from dspark_core.drafters.base import DraftProcessing, Proposal, ProposeItem
+    from dspark_core.sampling import SamplingParams, TokenHistory
+    from services.common.convert import (draft_processing_from_proto, propose_item_to_proto, proposal_from_proto,
+                                         proposal_to_proto)
+
+    params = SamplingParams(temperature=0, repetition_penalty=1.3, min_tokens=4, stop_token_ids=(2, 9), min_p=0.1)
+    proc = DraftProcessing(params, TokenHistory((1, 5, 6), (7, 8)))
+    item = ProposeItem(state=None, new_features=torch.zeros(0, 8), new_positions_start=4, new_tokens=[], anchor=8,
+                       anchor_pos=4, processing=proc)
+    msg = propose_item_to_proto("r", item, item.new_features, 4, [], 1, None)
+    back = draft_processing_from_proto(msg.processing, 16, 4, "items[0].processing")
+    assert back.history == proc.history
+    assert (back.params.repetition_penalty, back.params.min_tokens, back.params.stop_token_ids,
+            back.params.min_p) == (pytest.approx(1.3), 4, (2, 9), pytest.approx(0.1))  # float32 on the wire
+    plain = propose_item_to_proto("r", ProposeItem(None, item.new_features, 4, [], 8, 4), item.new_features, 4, [], 1,
+                                  None)
+    assert not plain.HasField("processing")
+    with pytest.raises(InvalidArgument, match=r"items\[0\]\.processing\.output_token_ids"):
+        draft_processing_from_proto(msg.processing, 16, 7, "items[0].processing")  # 5 tokens, anchor at 7
+    msg.processing.prompt_token_ids[0] = 99
+    with pytest.raises(InvalidArgument, match=r"items\[0\]\.processing\.prompt_token_ids.*must be token ids"):
+        draft_processing_from_proto(msg.processing, 16, 4, "items[0].processing")
+    msg.processing.prompt_token_ids[0] = 1
+    msg.processing.params.repetition_penalty = -1.0
+    with pytest.raises(InvalidArgument, match=r"items\[0\]\.processing\.params\.repetition_penalty"):
+        draft_processing_from_proto(msg.processing, 16, 4, "items[0].processing")
+    out = types_pb2.Proposal()
+    proposal_to_proto(Proposal(tokens=[3], processed=True), 1, out)
+    assert out.processed and proposal_from_proto(out).processed
+
+
 def _plain_supports_to_proto(ids, probs, out):
     for a, b in zip(ids.tolist(), probs.float().tolist()):
         d = out.add()
