@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from . import scheduling
-from .cost_model import OnlineSpsTable, SpsTable
+from .cost_model import OnlineSpsTable, SpsTable, sps_callable
 from .drafters.base import DraftProcessing, Proposal, ProposeItem
 from .errors import InvalidArgument, NotFound, ResourceExhausted
 from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord
@@ -89,6 +89,16 @@ class EngineConfig:
     # higher acceptance, reproducible only for the same batches and lengths, and ~10x the throughput at batch
     # 16 on a CPU (distillation, eval and bench measure the paper's algorithm this way).
     isolate_seeded: bool = True
+    # causal / async with a cost table: a request whose drafts do not pay for themselves decodes
+    # autoregressively for a while instead of drafting. After each drafted round, its expected accepted drafts
+    # (its confidences over the length the policy chose) are weighed against what the round spent on them (its
+    # share of the drafting time plus the extra tokens in the verify pass, at the step's autoregressive rate);
+    # a round that did not pay skips the request's next `draft_gate_min` steps (doubling to `draft_gate_max`
+    # while it keeps not paying), then it drafts again to look. Decided from earlier rounds only, so the
+    # output is untouched; False drafts for every request every step (the paper's loop).
+    gate_drafts: bool = True
+    draft_gate_min: int = 4
+    draft_gate_max: int = 64
 
     def __post_init__(self):
         object.__setattr__(self, "policy", scheduling.policy_spec(self.policy).name)  # aliases -> the name
@@ -106,6 +116,9 @@ class EngineConfig:
             raise InvalidArgument("calibration_bound", self.calibration_bound, "must be in (0, 1] or None")
         if self.collapse_ratio is not None and not 0.0 < self.collapse_ratio < 1.0:
             raise InvalidArgument("collapse_ratio", self.collapse_ratio, "must be in (0, 1) or None")
+        if not 1 <= self.draft_gate_min <= self.draft_gate_max:
+            raise InvalidArgument("draft_gate_min", self.draft_gate_min,
+                                  f"must be in [1, draft_gate_max = {self.draft_gate_max}]")
 
 
 @dataclass(eq=False)
@@ -138,6 +151,9 @@ class RequestState:
     seeded: bool = False
     # trailing prompt tokens that were generated (an adopted request): its processing counts them as output
     generated_in_prompt: int = 0
+    # the draft gate (EngineConfig.gate_drafts): the first step it drafts again, and how long it skips next time
+    draft_again_at: int = 0
+    draft_gate_skip: int = 0
     t_start: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_end: float | None = None
@@ -299,6 +315,7 @@ class Engine:
         self.num_explored = 0  # steps run at a stale batch size for the online table
         self.num_fallback_steps = 0  # steps a confidence policy ran the fixed length (calibration off bound)
         self.num_skipped_drafts = 0  # request-rounds decoded autoregressively because the drafter collapsed
+        self.num_gated_drafts = 0  # request-rounds decoded autoregressively because their drafts did not pay
         # a policy given by the caller may read the cost table; a registry baseline never does
         self._policy_reads_sps = policy is not None or spec.needs_sps
         if policy is None:
@@ -529,7 +546,16 @@ class Engine:
         confs: list[list[float]] | None = None
         if self.drafter is not None:
             if self.collapse is None or self.collapse.should_draft(self.drafter.name, self.num_steps):
-                drafts, confs = self._draft(reqs, rec)
+                gated = self._gating()
+                idx = [i for i, r in enumerate(reqs) if not gated or r.draft_again_at <= self.num_steps]
+                self.num_gated_drafts += len(reqs) - len(idx)
+                if len(idx) == len(reqs):
+                    drafts, confs = self._draft(reqs, rec)
+                elif idx:  # the others verify their anchor alone; their drafter catches up when they draft again
+                    sub_drafts, sub_confs = self._draft([reqs[i] for i in idx], rec)
+                    drafts, confs = list(drafts), [[] for _ in reqs]
+                    for j, i in enumerate(idx):
+                        drafts[i], confs[i] = sub_drafts[j], sub_confs[j]
             else:
                 self.num_skipped_drafts += len(reqs)
         rec.lengths = [len(d.tokens) for d in drafts]
@@ -616,10 +642,12 @@ class Engine:
         for p in proposals:
             c = p.confidences
             confs.append([1.0] * len(p.tokens[:gamma]) if c is None else c[:gamma].tolist())
-        lengths = self._lengths(confs, rec.request_ids)
+        lengths = self._lengths(confs, [r.request_id for r in reqs])
         # exponential moving average of the drafting time per step (the policies' fixed per-step cost), updated
         # after this step's schedule: a decision only ever sees earlier steps' timings
         self._draft_seconds = elapsed if self._draft_seconds <= 0 else 0.8 * self._draft_seconds + 0.2 * elapsed
+        if self._gating():
+            self._gate(reqs, confs, lengths, elapsed, len(rec.request_ids))
         blocks = []
         for r, p, l in zip(reqs, proposals, lengths):
             # the verify block must fit in the context window: anchor + l drafts
@@ -629,8 +657,9 @@ class Engine:
                 support_ids=None if p.support_ids is None else p.support_ids[:l],
                 support_probs=None if p.support_probs is None else p.support_probs[:l])
             if r.params.processed and not p.processed:
-                # a drafter that did not process its own logits (a remote one): the drafts re-drawn from the drafter's q processed as the target will be (penalties over
-                # the prefix including the drafts before each slot, min_tokens, min-p): verification then
+                # a drafter that did not process its own logits (a drafter service that predates it): the
+                # drafts re-drawn from the drafter's q processed as the target will be (penalties over the
+                # prefix including the drafts before each slot, min_tokens, min-p): verification then
                 # compares the penalised target against exactly that processed q
                 block = process_draft(block, r.params, r.history(), r.draft_generator)
             if self._coupled(r):
@@ -639,6 +668,43 @@ class Engine:
                 block = couple_draft(block, r.params.seed, r.anchor_pos + 1, self.target.vocab_size)
             blocks.append(block)
         return blocks, confs
+
+    def _gating(self) -> bool:
+        """Whether the draft gate is on this step: configured, an SPS-reading policy with a table, and
+        confidences the calibration monitor (if any) trusts (out of bound, the fixed length runs for all)."""
+        return (self.config.gate_drafts and self._policy_reads_sps and self.sps is not None
+                and (self.calibration is None or self.calibration.ok))
+
+    def _gate(self, reqs: list[RequestState], confs: list[list[float]], lengths: list[int], draft_seconds: float,
+              pass_requests: int) -> None:
+        """After a drafted round: each request whose expected accepted drafts are worth less than what they
+        cost skips drafting for a while (EngineConfig.gate_drafts). Reads only this round's confidences and
+        lengths (known before verification) and measured times, so later rounds stay non-anticipating."""
+        sps = self.sps if self.online_sps is None else self.online_sps.table(self._mean_context())
+        for_requests = getattr(sps, "for_requests", None)
+        if for_requests is not None:
+            sps = for_requests(pass_requests)
+        sps = sps_callable(sps)
+        total = pass_requests + sum(lengths)
+        try:
+            t_ar, t_full = 1.0 / sps(pass_requests), 1.0 / sps(total)
+            without = [1.0 / sps(total - l) for l in lengths]
+        except InvalidArgument:  # a caller's table that does not reach these sizes: no gating
+            return
+        rate = pass_requests / t_ar  # tokens per second of the same step without drafts
+        share = draft_seconds / max(len(reqs), 1)
+        cfg = self.config
+        for r, c, l, t_without in zip(reqs, confs, lengths, without):
+            expected, alive = 0.0, 1.0
+            for k in range(min(l, len(c))):
+                alive *= c[k]
+                expected += alive
+            cost = share + max(0.0, t_full - t_without)
+            if expected >= rate * cost:
+                r.draft_gate_skip = 0
+            else:
+                r.draft_gate_skip = min(cfg.draft_gate_max, max(cfg.draft_gate_min, 2 * r.draft_gate_skip))
+                r.draft_again_at = self.num_steps + 1 + r.draft_gate_skip
 
     def _coupled(self, r: RequestState) -> bool:
         """Whether `r` is verified by position-keyed coupling (a seeded sampled request, in serving)."""

@@ -174,7 +174,8 @@ def test_online_table_follows_a_doubled_step_time_and_the_causal_lengths_follow(
     clock runs twice as fast during passes of >= 12 tokens once `slow` is set (wall time on a shared machine
     is too noisy to double reliably by sleeping)."""
     target, good = stack
-    engine = Engine(target, good, EngineConfig(policy="causal", online_sps=True), sps=prior)
+    # the draft gate off: this measures the table and the lengths, not which requests stop drafting
+    engine = Engine(target, good, EngineConfig(policy="causal", online_sps=True, gate_drafts=False), sps=prior)
     verifier = engine.verifier
     extra = {"s": 0.0}
     slow = {"on": False}
@@ -246,7 +247,9 @@ def test_miscalibrated_confidences_fall_back_to_fixed_and_an_online_refit_restor
     good.config = config.with_calibration(sharp)
     try:
         prior = SpsTable.load(REPO / "models" / "target" / "sps.json")
-        engine = Engine(target, good, EngineConfig(policy="causal", calibration_bound=0.1), sps=prior)
+        # the draft gate off: sharpened confidences near 0 would stop most drafting, and with it the rounds
+        engine = Engine(target, good, EngineConfig(policy="causal", calibration_bound=0.1, gate_drafts=False),
+                        sps=prior)
         engine.calibration = CalibrationMonitor(good.block_size, bound=0.1, min_rounds=60, check_every=10)
         for i, text in enumerate(("Write a Python function that reverses a string.", "What is 12 * 7?",
                                   "Explain what a list is in Python.", "for i in range(10):")):

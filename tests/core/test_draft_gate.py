@@ -1,0 +1,74 @@
+"""The draft gate (EngineConfig.gate_drafts) on the bundled model and its DSpark drafter: where drafts cannot pay
+for themselves (each extra verified token costs a whole step) requests stop drafting, probe again later with
+growing gaps, and decode exactly what the target decodes; where they pay (a flat cost curve) every step drafts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dspark_core.cost_model import SpsTable
+from dspark_core.engine import Engine, EngineConfig
+from dspark_core.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ("Write a Python function that reverses a string.", "for i in range(10):", "What is 12 * 7?")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# seconds per pass grow with every token: a pass of b tokens costs b one-token steps, so no draft can pay
+STEEP = SpsTable(batch_sizes=(1, 2, 4, 8, 16, 32, 64), steps_per_second=tuple(10.0 / b for b in (1, 2, 4, 8, 16, 32, 64)))
+# a pass costs the same whatever it carries (drafting at ~1 ms against 1 s steps): every draft pays
+FLAT = SpsTable(batch_sizes=(1, 64), steps_per_second=(1.0, 1.0))
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from dspark_cli.models import load_stack
+
+    return load_stack(str(REPO / "models" / "target"), str(REPO / "models" / "dspark"), "cpu", "float32")
+
+
+def _run(target, drafter, sps, gate: bool, temperature: float = 0.0):
+    engine = Engine(target, drafter, EngineConfig(policy="causal", gate_drafts=gate, draft_gate_min=2,
+                                                  draft_gate_max=8), sps=sps)
+    ids = []
+    for i, text in enumerate(PROMPTS):
+        p = target.tokenizer.encode(text, add_special_tokens=False)
+        ids.append(engine.add_request(p, SamplingParams(temperature=temperature, max_new_tokens=48, seed=i)))
+    calls = []  # (step, requests drafted) of every drafter call
+    propose = drafter.propose
+    drafter.propose = lambda items: calls.append((engine.num_steps, len(items))) or propose(items)
+    try:
+        engine.run()
+    finally:
+        del drafter.propose
+    return engine, [engine.pop(r) for r in ids], calls
+
+
+def test_requests_stop_drafting_where_drafts_cannot_pay_and_their_output_is_the_targets(stack):
+    target, drafter = stack
+    ar = Engine(target, None, EngineConfig(policy="ar"))
+    ref = []
+    for text in PROMPTS:
+        rid = ar.add_request(target.tokenizer.encode(text, add_special_tokens=False),
+                             SamplingParams(temperature=0.0, max_new_tokens=48))
+        ar.run()
+        ref.append(ar.pop(rid).output_ids)
+    gated, out, calls = _run(target, drafter, STEEP, gate=True)
+    ungated, out_ungated, calls_ungated = _run(target, drafter, STEEP, gate=False)
+    assert [r.output_ids for r in out] == ref == [r.output_ids for r in out_ungated]
+    rounds = sum(len(r.proposed_per_round) for r in out)
+    assert gated.num_gated_drafts > rounds / 2  # most request-rounds skipped the drafter
+    assert sum(n for _, n in calls) < sum(n for _, n in calls_ungated) / 2 and ungated.num_gated_drafts == 0
+    # it keeps looking: drafter calls spread over the run (probes), never more than the cap apart
+    steps = [s for s, _ in calls]
+    assert len(steps) >= 4 and steps[-1] > gated.num_steps / 2
+    assert max(b - a for a, b in zip(steps, steps[1:])) <= 8 + 1
+
+
+def test_where_drafts_pay_every_step_drafts(stack):
+    target, drafter = stack
+    engine, out, calls = _run(target, drafter, FLAT, gate=True, temperature=1.0)
+    assert engine.num_gated_drafts == 0 and sum(n for _, n in calls) == sum(len(r.proposed_per_round) for r in out)
+    assert sum(sum(r.accepted_per_round) for r in out) > 0
