@@ -316,6 +316,9 @@ class Engine:
         self.num_fallback_steps = 0  # steps a confidence policy ran the fixed length (calibration off bound)
         self.num_skipped_drafts = 0  # request-rounds decoded autoregressively because the drafter collapsed
         self.num_gated_drafts = 0  # request-rounds decoded autoregressively because their drafts did not pay
+        # the gate's recent decisions per kind of request (greedy or not): a moving average of the skip it
+        # assigned (0 when drafts paid), where a new request of that kind starts instead of probing from 0
+        self._gate_hint = {True: 0.0, False: 0.0}
         # a policy given by the caller may read the cost table; a registry baseline never does
         self._policy_reads_sps = policy is not None or spec.needs_sps
         if policy is None:
@@ -524,6 +527,11 @@ class Engine:
             rec.admitted.append(req.request_id)
             if self.drafter is not None:
                 req.draft_state = self.drafter.new_state_for(req.request_id)
+                start = int(self._gate_hint[req.params.greedy])
+                if self._gating() and start >= self.config.draft_gate_min:
+                    # like the requests of its kind that ran just before it: drafts have not been paying there
+                    req.draft_gate_skip = start
+                    req.draft_again_at = self.num_steps + 1 + start
             self._commit(req, res, events)
         self.waiting[:0] = back
 
@@ -705,6 +713,8 @@ class Engine:
             else:
                 r.draft_gate_skip = min(cfg.draft_gate_max, max(cfg.draft_gate_min, 2 * r.draft_gate_skip))
                 r.draft_again_at = self.num_steps + 1 + r.draft_gate_skip
+            kind = r.params.greedy
+            self._gate_hint[kind] = 0.8 * self._gate_hint[kind] + 0.2 * r.draft_gate_skip
 
     def _coupled(self, r: RequestState) -> bool:
         """Whether `r` is verified by position-keyed coupling (a seeded sampled request, in serving)."""
