@@ -97,6 +97,9 @@ class EngineConfig:
     # while it keeps not paying), then it drafts again to look. Decided from earlier rounds only, so the
     # output is untouched; False drafts for every request every step (the paper's loop).
     gate_drafts: bool = True
+    # a round "does not pay" when its expected accepted drafts are below this fraction of their cost (< 1: drafts
+    # near break-even keep drafting, where a wrong skip costs more than a wrong draft)
+    draft_gate_margin: float = 0.75
     draft_gate_min: int = 4
     draft_gate_max: int = 64
 
@@ -116,6 +119,8 @@ class EngineConfig:
             raise InvalidArgument("calibration_bound", self.calibration_bound, "must be in (0, 1] or None")
         if self.collapse_ratio is not None and not 0.0 < self.collapse_ratio < 1.0:
             raise InvalidArgument("collapse_ratio", self.collapse_ratio, "must be in (0, 1) or None")
+        if not 0.0 < self.draft_gate_margin <= 1.0:
+            raise InvalidArgument("draft_gate_margin", self.draft_gate_margin, "must be in (0, 1]")
         if not 1 <= self.draft_gate_min <= self.draft_gate_max:
             raise InvalidArgument("draft_gate_min", self.draft_gate_min,
                                   f"must be in [1, draft_gate_max = {self.draft_gate_max}]")
@@ -151,9 +156,11 @@ class RequestState:
     seeded: bool = False
     # trailing prompt tokens that were generated (an adopted request): its processing counts them as output
     generated_in_prompt: int = 0
-    # the draft gate (EngineConfig.gate_drafts): the first step it drafts again, and how long it skips next time
+    # the draft gate (EngineConfig.gate_drafts): the first step it drafts again, how long it skips next time,
+    # and a moving average of what its drafted rounds gained over their cost (in tokens)
     draft_again_at: int = 0
     draft_gate_skip: int = 0
+    draft_gate_surplus: float | None = None
     t_start: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_end: float | None = None
@@ -531,7 +538,7 @@ class Engine:
                 if self._gating() and start >= self.config.draft_gate_min:
                     # like the requests of its kind that ran just before it: drafts have not been paying there
                     req.draft_gate_skip = start
-                    req.draft_again_at = self.num_steps + 1 + start
+                    req.draft_again_at = self._probe_step(start)
             self._commit(req, res, events)
         self.waiting[:0] = back
 
@@ -708,13 +715,24 @@ class Engine:
                 alive *= c[k]
                 expected += alive
             cost = share + max(0.0, t_full - t_without)
-            if expected >= rate * cost:
+            # one round's confidences are a noisy guess of the next rounds': the request's moving average decides
+            surplus = expected - cfg.draft_gate_margin * rate * cost
+            r.draft_gate_surplus = surplus if r.draft_gate_surplus is None else \
+                0.7 * r.draft_gate_surplus + 0.3 * surplus
+            if r.draft_gate_surplus >= 0:
                 r.draft_gate_skip = 0
             else:
-                r.draft_gate_skip = min(cfg.draft_gate_max, max(cfg.draft_gate_min, 2 * r.draft_gate_skip))
-                r.draft_again_at = self.num_steps + 1 + r.draft_gate_skip
+                skip = r.draft_gate_skip = min(cfg.draft_gate_max, max(cfg.draft_gate_min, 2 * r.draft_gate_skip))
+                r.draft_again_at = self._probe_step(skip)
             kind = r.params.greedy
             self._gate_hint[kind] = 0.8 * self._gate_hint[kind] + 0.2 * r.draft_gate_skip
+
+    def _probe_step(self, skip: int) -> int:
+        """The step a request skipping `skip` steps drafts again: at least `skip` steps ahead, on a multiple
+        of `skip`, so that the requests at one gate level probe in the same step (one drafter pass for all of
+        them, not one small pass nearly every step)."""
+        earliest = self.num_steps + 1 + skip
+        return -(-earliest // skip) * skip
 
     def _coupled(self, r: RequestState) -> bool:
         """Whether `r` is verified by position-keyed coupling (a seeded sampled request, in serving)."""
