@@ -528,8 +528,9 @@ def parse_args(argv=None):
                    help="scheduler --verifier-grace: how long requests wait for a verifier (default 30)")
     p.add_argument("--out", default="runs/load", help="directory for summary.json and load.png (default runs/load)")
     p.add_argument("--log-dir", default=None, help="service logs (default: a temporary directory)")
-    p.add_argument("--target", default=str(REPO / "models" / "target"))
-    p.add_argument("--drafter-path", default=str(REPO / "models" / "dspark"))
+    p.add_argument("--target", default=None,
+                   help="target name or directory (default: the default target, DSPARK_TARGET overrides it)")
+    p.add_argument("--drafter-path", default=None, help="drafter directory (default: the target's DSpark drafter)")
     p.add_argument("--data", default=str(REPO / "data" / "dev"), help="directory of *.jsonl")
     p.add_argument("--num-prompts", type=int, default=512, help="distinct held-out prompts to cycle (default 512)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="prompt length cap (default 256)")
@@ -555,6 +556,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from dspark_core.stack import drafters_dir, resolve_target
+
+    args.target = resolve_target(args.target)
+    if args.drafter_path is None:
+        args.drafter_path = str(drafters_dir(args.target) / "dspark")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="dspark-load-"))
