@@ -260,6 +260,34 @@ def test_a_verify_pass_computes_each_row_bitwise_as_the_one_row_step(tiny_llama_
     assert torch.equal(rows(more, company=PROMPTS[0] * 3), joined)  # a longer neighbour in the batch
 
 
+@pytest.mark.parametrize("weights", ["int4", "gguf"])
+def test_a_prefill_computes_each_position_bitwise_as_the_one_row_steps_beside_any_prompts(tiny_llama_dir,
+                                                                                         tiny_gguf_dir, weights):
+    """On packed weights a prompt's prefill (longer than any verify block, beside a prompt of another length)
+    gives every position the logits of decoding it one row at a time, so a request resumed by re-prefilling
+    prompt + generated tokens continues exactly as it would have (SmolLM2's load test found resumed and
+    differently batched greedy outputs that left the target's own before this)."""
+    target = _target(tiny_gguf_dir if weights == "gguf" else tiny_llama_dir, weights)
+    prompt = (PROMPTS[2] * 20)[:120]  # past the 16-row verify blocks; long enough that batched attention differs
+
+    def prefill(batch):
+        seqs = [target.new_sequence() for _ in batch]
+        out = target.forward(list(zip(seqs, batch)))
+        logits = out.logits_of(0).clone()
+        for s in seqs:
+            target.release(s)
+        return logits
+
+    seq = target.new_sequence()
+    steps = [target.forward([(seq, [tok])]).logits_of(0)[-1].clone() for tok in prompt]
+    target.release(seq)
+    alone = prefill([prompt])
+    beside = prefill([prompt, PROMPTS[0] * 2, [3]])
+    for j in range(len(prompt)):
+        assert torch.equal(alone[j], steps[j]), j
+    assert torch.equal(beside, alone)
+
+
 @pytest.mark.parametrize("weights,tolerance", [("bfloat16", 0.02), ("int8", 0.03), ("int4", 0.3)])
 def test_logits_close_to_float32(tiny_llama_dir, weights, tolerance):
     ref, packed = _target(tiny_llama_dir, "float32"), _target(tiny_llama_dir, weights)
