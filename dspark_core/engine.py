@@ -349,15 +349,8 @@ class Engine:
         the policy maximises tokens per second of the whole step, not of the verify pass alone. The step
         time is measured, never read from the drafts, so the decision stays independent of the draft tokens.
         """
-        sps = self.sps if self.online_sps is None else self.online_sps.table(self._mean_context())
-        if sps is not self._sps_base:  # a new live table (or `sps` replaced by the caller): derive afresh
-            self._sps_base = sps
-            self._sps_cache.clear()
-        for_requests = getattr(sps, "for_requests", None)
-        if for_requests is None:
-            return sps
-        table = for_requests(requests)
-        if not self.config.count_draft_time or self._draft_seconds <= 0:
+        table = self._table_for(requests)
+        if not isinstance(table, SpsTable) or not self.config.count_draft_time or self._draft_seconds <= 0:
             return table
         # a few percent steps of overhead share one derived table per request count (the EMA moves every step)
         key = (requests, round(math.log(self._draft_seconds) / _OVERHEAD_BUCKET))
@@ -367,6 +360,16 @@ class Engine:
                 self._sps_cache.clear()
             cached = self._sps_cache[key] = table.with_overhead(math.exp(key[1] * _OVERHEAD_BUCKET))
         return cached
+
+    def _table_for(self, requests: int):
+        """The live cost table (the online one when on) at the step's mean context, its row for `requests`
+        requests when it has rows; a caller's callable or sequence as given."""
+        sps = self.sps if self.online_sps is None else self.online_sps.table(self._mean_context())
+        if sps is not self._sps_base:  # a new live table (or `sps` replaced by the caller): derive afresh
+            self._sps_base = sps
+            self._sps_cache.clear()
+        for_requests = getattr(sps, "for_requests", None)
+        return sps if for_requests is None else for_requests(requests)
 
     def _mean_context(self) -> float:
         return sum(r.anchor_pos for r in self.active) / len(self.active) if self.active else 0.0
@@ -695,11 +698,7 @@ class Engine:
         """After a drafted round: each request whose expected accepted drafts are worth less than what they
         cost skips drafting for a while (EngineConfig.gate_drafts). Reads only this round's confidences and
         lengths (known before verification) and measured times, so later rounds stay non-anticipating."""
-        sps = self.sps if self.online_sps is None else self.online_sps.table(self._mean_context())
-        for_requests = getattr(sps, "for_requests", None)
-        if for_requests is not None:
-            sps = for_requests(pass_requests)
-        sps = sps_callable(sps)
+        sps = sps_callable(self._table_for(pass_requests))
         total = pass_requests + sum(lengths)
         try:
             t_ar, t_full = 1.0 / sps(pass_requests), 1.0 / sps(total)

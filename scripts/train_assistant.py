@@ -167,15 +167,16 @@ def make_batch(samples, idx, seq_len: int, pad_id: int, prompt_weight: float):
     return x, att, wt
 
 
-def distill_loss(student_logits, teacher_logits, weights, ce_weight: float):
-    """Weighted mean over positions of KL(teacher || student) + ce_weight * CE(student, argmax teacher)."""
+def distill_loss(student_logits, teacher_logits, weights, ce_weight: float, kl_weight: float = 1.0):
+    """Weighted mean over positions of kl_weight * KL(teacher || student) + ce_weight * CE(student, argmax
+    teacher); returns (loss, KL, top-1 agreement)."""
     s = F.log_softmax(student_logits.float(), dim=-1)
     t = F.log_softmax(teacher_logits.float(), dim=-1)
     kl = (t.exp() * (t - s)).sum(-1)
     ce = -s.gather(-1, t.argmax(-1, keepdim=True)).squeeze(-1)
     agree = (s.argmax(-1) == t.argmax(-1)).float()
     norm = weights.sum().clamp_min(1e-9)
-    loss = ((kl + ce_weight * ce) * weights).sum() / norm
+    loss = ((kl_weight * kl + ce_weight * ce) * weights).sum() / norm
     return loss, (kl * weights).sum() / norm, (agree * weights).sum() / norm
 
 
@@ -332,8 +333,7 @@ def main() -> None:
             with torch.no_grad():
                 t_logits = teacher(input_ids=x, attention_mask=att).logits
             s_logits = student(input_ids=x, attention_mask=att).logits
-            loss, kl, agree = distill_loss(s_logits, t_logits, w, args.ce_weight)
-            loss = args.kl_weight * kl + (loss - kl)
+            loss, kl, agree = distill_loss(s_logits, t_logits, w, args.ce_weight, args.kl_weight)
         else:
             loss, agree = answer_loss(student, x, att, w)
             kl = loss  # reported as the answer cross-entropy

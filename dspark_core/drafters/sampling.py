@@ -51,7 +51,6 @@ class TokenChooser:
         `base.DraftProcessing` or None per row."""
         self.k = min(support_size, vocab)
         self.id_map = id_map
-        self.vocab = vocab
         self.processing = [(i, p) for i, p in enumerate(processing or ()) if p is not None]
         self.drafted: dict[int, list[int]] = {i: [] for i, _ in self.processing}  # target ids chosen so far
         self._local: dict = {}  # the draft vocabulary's id -> column map, built once
