@@ -39,8 +39,10 @@ ROW_ATTENTION_MAX_ROWS: int | None = None
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF's Llama/Qwen RMSNorm: normalise in fp32, cast back, then scale
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # one fused op instead of six, bitwise the code below for float32 (tests/drafters/test_fast_paths.py)
-        return F.rms_norm(x, weight.shape, weight, eps)
+        # in place on fresh tensors: five kernel calls; bitwise HF's (and F.rms_norm's, which on the CPU is a
+        # composite of ~12 calls) for float32 (tests/core/test_fast_decoder.py)
+        ms = torch.mul(x, x).mean(-1, keepdim=True)
+        return torch.mul(x, ms.add_(eps).rsqrt_()).mul_(weight)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -50,6 +52,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin, as roll(x) * signed_sin (the first half of sin negated): four calls
+    instead of seven, bitwise equal (negating a factor before or after a product rounds the same)."""
+    return torch.mul(x, cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(signed_sin))
 
 
 def dense_linear(parts: list[tuple[str, torch.nn.Linear]]) -> DenseLinear:
@@ -129,8 +137,11 @@ class LeanDecoder:
         """qs [n, h, q, d]; keys / values [n, kvh, kv, d] -> [n, h, q, d]: row i of sequence r attends to its
         first by_row[r][i] keys alone, in a call of the one-row step's own shape (no mask, no padding), so
         its softmax reduces over exactly the keys the autoregressive step at that position reduces over."""
-        out = qs.new_zeros(qs.shape)
         gqa = self.num_kv_heads != self.num_heads
+        if len(by_row) == 1 and len(by_row[0]) == 1 and by_row[0][0] == keys.shape[2]:
+            # one row seeing every key (a batch-1 decode step): the call below as is, without the copy
+            return F.scaled_dot_product_attention(qs, keys, values, scale=self.scaling, enable_gqa=gqa)
+        out = qs.new_zeros(qs.shape)
         for r, lengths in enumerate(by_row):
             for i, length in enumerate(lengths):
                 if length is None:
@@ -174,23 +185,24 @@ class LeanDecoder:
         if -1 in keep_layers:
             kept[-1] = x
         cos, sin = self.rotary(x, position_ids)  # [n, q, d]
-        cos, sin = cos[:, None], sin[:, None]
+        half = d // 2
+        sin = torch.cat((sin[..., :half].neg(), sin[..., half:]), dim=-1)  # signed for _rope
+        cos, sin = cos[:, None], sin[:, None]  # [n, 1, q, d]
+        hk = h + kvh
         for li, L in enumerate(self.layers):
             hs = _rms_norm(x, L.in_norm, self.eps)
             qkv = L.qkv(hs)  # [N, (h + 2 kvh) d]
             if rows is not None:
                 qkv = qkv.new_zeros(n * q, qkv.shape[-1]).index_copy_(0, rows, qkv)
-            qs, ks, vs = qkv.view(n, q, -1).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            qs = qs.reshape(n, q, h, d)
-            ks = ks.reshape(n, q, kvh, d)
-            if L.q_norm is not None:
-                qs = _rms_norm(qs, L.q_norm, self.eps)
-                ks = _rms_norm(ks, L.k_norm, self.eps)
-            qs = qs.transpose(1, 2)
-            ks = ks.transpose(1, 2)
-            vs = vs.reshape(n, q, kvh, d).transpose(1, 2)
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
+            heads = qkv.view(n, q, hk + kvh, d)
+            vs = heads[:, :, hk:].transpose(1, 2)  # [n, kvh, q, d]
+            if L.q_norm is None:
+                # RoPE on the query and key heads at once: [n, h + kvh, q, d]
+                qk = _rope(heads[:, :, :hk].transpose(1, 2), cos, sin)
+                qs, ks = qk[:, :h], qk[:, h:]
+            else:
+                qs = _rope(_rms_norm(heads[:, :, :h], L.q_norm, self.eps).transpose(1, 2), cos, sin)
+                ks = _rope(_rms_norm(heads[:, :, h:hk], L.k_norm, self.eps).transpose(1, 2), cos, sin)
             keys, values = cache.update(ks, vs, li)
             if by_row is not None:
                 attn = self._row_attention(qs, keys, values, by_row)
@@ -202,8 +214,8 @@ class LeanDecoder:
                 attn = attn.index_select(0, rows)
             x = x + L.o(attn)
             hs = _rms_norm(x, L.post_norm, self.eps)
-            gate, up = L.gate_up(hs).split(self.inter, dim=-1)
-            x = x + L.down(F.silu(gate) * up)
+            gate_up = L.gate_up(hs)
+            x = x + L.down(F.silu(gate_up[..., : self.inter]).mul_(gate_up[..., self.inter:]))
             if li in keep_layers:
                 kept[li] = x
         return _rms_norm(x, self.norm_w, self.eps), kept

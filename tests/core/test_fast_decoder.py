@@ -56,3 +56,29 @@ def test_share_target_weights_only_shares_identical_tensors():
     assert d.embed_tokens.weight.data_ptr() == embed.data_ptr()
     assert not torch.equal(d.lm_head.weight, lm_head)
     assert share_target_weights(d, embed, lm_head) == []  # idempotent
+
+
+def test_the_lean_norm_and_rope_are_bitwise_the_formulas_they_replace():
+    """The batch-1 decode step's elementwise work in fewer calls (fast_decoder._rms_norm / _rope) computes
+    exactly what HF's RMSNorm / `x cos + rotate_half(x) sin` compute, bit for bit, at every scale."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from dspark_core.fast_decoder import _rms_norm, _rope
+
+    torch.manual_seed(0)
+    for size, scale in ((64, 1e-3), (576, 1.0), (576, 40.0), (960, 7.0)):
+        ref = LlamaRMSNorm(size, eps=1e-5)
+        ref.weight.data = torch.randn(size)
+        for shape in ((1, size), (5, size), (2, 3, size)):
+            x = torch.randn(*shape) * scale
+            assert torch.equal(_rms_norm(x, ref.weight.data, 1e-5), ref(x))
+            assert torch.equal(_rms_norm(x, ref.weight.data, 1e-5),
+                               torch.nn.functional.rms_norm(x, (size,), ref.weight.data, 1e-5))
+    d = 64
+    q, k = torch.randn(2, 9, 5, d) * 3, torch.randn(2, 3, 5, d)
+    angles = torch.randn(2, 5, d // 2) * 20
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)  # unsqueezes dim 1
+    signed = torch.cat((-sin[..., : d // 2], sin[..., d // 2:]), -1)[:, None]
+    assert torch.equal(_rope(q, cos[:, None], signed), ref_q)
+    assert torch.equal(_rope(k.transpose(1, 2).contiguous().transpose(1, 2), cos[:, None], signed), ref_k)
