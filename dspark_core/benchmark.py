@@ -499,7 +499,7 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
         # informative: llama.cpp computes the same weights with other kernels, so ties can break differently
         out["llamacpp_outputs_match_ar"] = ({m: all(ref.get(i) == ids for i, ids in lc_out[m].items())
                                              for m in lc_modes} if ref is not None else None)
-        out.update(llamacpp_speedups(batch1, out.get("batch1_policy"), lc_modes))
+        out.update(llamacpp_speedups(batch1, out.get("batch1_policy"), lc_modes, policies))
     out["causal_vs_best_static"] = causal_vs_best_static(results, settings.concurrencies)
     out["per_user_speedup_vs_gamma1_at_matched_throughput"] = matched_throughput_speedup(results)
     out["per_user_speedup_vs_gamma1_at_least_matched_throughput"] = at_least_matched_speedup(results)
@@ -548,13 +548,16 @@ def batch1_speedups(batch1: dict, policies: Sequence[str], hf_modes: Sequence[st
     return out
 
 
-def llamacpp_speedups(batch1: dict, pick: str | None, lc_modes: Sequence[str]) -> dict:
-    """Paired batch-1 ratios against llama.cpp's plain decoding (and its prompt lookup)."""
+def llamacpp_speedups(batch1: dict, pick: str | None, lc_modes: Sequence[str], policies: Sequence[str] = ()) -> dict:
+    """Paired batch-1 ratios against llama.cpp's plain decoding (and its prompt lookup): the headline policy
+    `pick`, and every speculative policy of `policies` (`speedup_vs_llamacpp_batch1_by_policy`)."""
     def paired(a: str, b: str) -> float | None:
         return paired_ratio(batch1, a, b)
 
     out = {"ar_vs_llamacpp_batch1": paired("ar", "llamacpp_greedy"),
            "speedup_vs_llamacpp_batch1": paired(pick, "llamacpp_greedy") if pick else None,
+           "speedup_vs_llamacpp_batch1_by_policy": {p: paired(p, "llamacpp_greedy") for p in policies
+                                                    if p != "ar" and p in batch1},
            "speedup_vs_llamacpp_prompt_lookup_batch1": None}
     if pick and "prompt_lookup" in lc_modes:
         out["speedup_vs_llamacpp_prompt_lookup_batch1"] = paired(pick, "llamacpp_prompt_lookup")

@@ -7,7 +7,9 @@ import importlib.util
 
 import pytest
 
-from dspark_core.benchmark import BenchSettings, LlamaCppPeer, plan_llamacpp
+from types import SimpleNamespace
+
+from dspark_core.benchmark import BenchSettings, LlamaCppPeer, llamacpp_speedups, plan_llamacpp
 
 
 def test_plan_runs_the_peer_greedy_at_batch_one_only():
@@ -21,6 +23,19 @@ def test_plan_runs_the_peer_greedy_at_batch_one_only():
     modes, warnings = plan_llamacpp(BenchSettings(policies=("ar",), concurrencies=(2,)), peer)
     assert modes == [] and "concurrency 1" in warnings[0]
     assert plan_llamacpp(BenchSettings(policies=("ar",), concurrencies=(1,)), None) == ([], [])
+
+
+def test_every_speculative_policy_is_paired_against_llamacpp_prompt_by_prompt():
+    def runs(*rates):
+        return [(0, i, SimpleNamespace(tokens_per_s=r)) for i, r in enumerate(rates)]
+
+    batch1 = {"ar": runs(70, 80, 90), "causal": runs(84, 88, 90), "fixed": runs(56, 60, 63),
+              "llamacpp_greedy": runs(100, 100, 100), "llamacpp_prompt_lookup": runs(30, 40, 50)}
+    out = llamacpp_speedups(batch1, "fixed", ["greedy", "prompt_lookup"], ["causal", "fixed", "ar", "gamma1"])
+    assert out["ar_vs_llamacpp_batch1"] == 0.8 and out["speedup_vs_llamacpp_batch1"] == 0.6
+    # gamma1 did not run, ar is the baseline: neither is a speculative entry
+    assert out["speedup_vs_llamacpp_batch1_by_policy"] == {"causal": 0.88, "fixed": 0.6}
+    assert out["speedup_vs_llamacpp_prompt_lookup_batch1"] == 1.5  # fixed: 56/30 60/40 63/50 -> median 1.5
 
 
 @pytest.mark.slow
