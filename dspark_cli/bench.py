@@ -2,9 +2,9 @@
 concurrency on the embedded engine, the batch-1 speedup over autoregressive decoding, and Hugging Face
 transformers' own assisted generation as a peer at batch 1.
 
-Prompts: `--dataset F.jsonl` (DeepSpec format, first turn, used as given), default the held-out 20% split
-(`dspark_core.training.data.split`, as `dspark eval` uses) of the dev code sets, mbpp and livecodebench,
-taken round-robin; the first `--num-prompts` that fit the context window. The measurement protocol is
+Prompts: the held-out 20% split (`dspark_core.training.data.split`, as `dspark eval` uses) of each `--dataset
+F.jsonl` (DeepSpec format, first turn; `--split all`: the file as given), default the dev code sets, mbpp and
+livecodebench, taken round-robin; the first `--num-prompts` that fit the context window. The measurement protocol is
 documented in `dspark_core/benchmark.py`.
 
 Causal and async need the target's SPS(B) table (`sps.json`, written by `dspark profile`, loaded
@@ -61,8 +61,12 @@ def add_parser(sub) -> None:
                         "(distributed_vs_embedded) and where each scheduler step spends its time (stage_breakdown). "
                         "Needs redis-server on PATH")
     p.add_argument("--dataset", action="append", default=None, metavar="F.jsonl",
-                   help="prompt file ({\"turns\": [...]} per line, first turn, used as given); repeatable. "
-                        "Default: held-out split of the dev code sets (mbpp, livecodebench)")
+                   help="prompt file ({\"turns\": [...]} per line, first turn); repeatable; its held-out split "
+                        "unless --split all. Default: held-out split of the dev code sets (mbpp, livecodebench)")
+    p.add_argument("--split", default="eval", choices=("eval", "all"),
+                   help="eval: the fixed held-out 20%% of each --dataset, as `dspark eval` takes it (default: the "
+                        "rest is what `dspark train` distils, so a drafter has seen those prompts); all: the file "
+                        "as given (a prompt set kept apart from training)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts in the fixed list (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
@@ -155,9 +159,16 @@ def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
     from dspark_core.training.data import load_prompts, split
 
     limit = target.max_context - args.max_new_tokens - 1
-    if args.dataset:
+    if args.dataset and getattr(args, "split", "eval") == "all":
         sets = [load_prompts(f) for f in args.dataset]
         source = {"datasets": [Path(f).name for f in args.dataset], "split": "none (used as given)"}
+    elif args.dataset:
+        sets = [split(load_prompts(f), 0.2)[1] for f in args.dataset]
+        for f, held in zip(args.dataset, sets):
+            if not held:
+                raise InvalidArgument("--dataset", f, "has no held-out prompt (its eval split is empty); pass "
+                                                      "--split all to use the file as given")
+        source = {"datasets": [Path(f).name for f in args.dataset], "split": "eval (20%, hashed), round-robin"}
     else:
         sets = [split(load_prompts(f), 0.2)[1] for f in default_datasets()]
         source = {"datasets": list(DEFAULT_DATASETS), "split": "eval (20%, hashed), round-robin"}

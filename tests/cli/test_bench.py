@@ -32,7 +32,7 @@ def tiny_stack(tiny_target_dir, tmp_path_factory):
 def test_json_contract_plots_and_hf_peer(tiny_stack, capsys):
     s = tiny_stack
     plot = s["root"] / "plots" / "pareto.png"
-    rc = main(["bench", "--target", s["target"], "--drafter-path", s["drafter"], "--dataset", s["data"],
+    rc = main(["bench", "--target", s["target"], "--drafter-path", s["drafter"], "--dataset", s["data"], "--split", "all",
                "--hf-assistant", s["assistant"], "--concurrency", "1,2", "--policy", "causal,fixed,gamma1,ar",
                "--num-prompts", "3", "--max-new-tokens", "6", "--json", "--plot", str(plot)])
     assert rc == 0
@@ -56,7 +56,7 @@ def test_json_contract_plots_and_hf_peer(tiny_stack, capsys):
 
 def test_profile_sps_runs_causal_and_async_and_text_output(tiny_stack, capsys):
     s = tiny_stack
-    rc = main(["bench", "--target", s["target"], "--drafter-path", s["drafter"], "--dataset", s["data"],
+    rc = main(["bench", "--target", s["target"], "--drafter-path", s["drafter"], "--dataset", s["data"], "--split", "all",
                "--no-hf", "--profile-sps", "--concurrency", "2", "--policy", "causal,async,fixed,gamma1",
                "--num-prompts", "2", "--max-new-tokens", "5"])
     assert rc == 0
@@ -64,6 +64,30 @@ def test_profile_sps_runs_causal_and_async_and_text_output(tiny_stack, capsys):
     assert "causal" in out and "async" in out and "batch-1 speedup" in out
     assert "causal / best static aggregate: c=2" in out
     assert "warning" not in out  # the quick table is used; nothing skipped
+
+
+def test_a_dataset_gives_its_held_out_split_unless_split_all(tiny_target_dir, tmp_path):
+    """The prompts `dspark train` distils are the other 80%: a bench on a dev file must not time a drafter on
+    prompts it was trained on, so `--dataset` takes the held-out split (`--split all`: the file as given)."""
+    from types import SimpleNamespace
+
+    from dspark_cli.bench import load_prompt_list
+    from dspark_core.target import load_tokenizer
+    from dspark_core.text import encode_prompt
+    from dspark_core.training.data import load_prompts, split
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"turns": [f"Question number {i}: what is {i} + {i}?"]}) + "\n"
+                            for i in range(60)))
+    target = SimpleNamespace(tokenizer=load_tokenizer(tiny_target_dir), max_context=512)
+    held = [encode_prompt(target.tokenizer, p.text) for p in split(load_prompts(str(data)), 0.2)[1]]
+    assert 0 < len(held) < 60
+    args = SimpleNamespace(dataset=[str(data)], split="eval", num_prompts=100, max_new_tokens=8)
+    prompts, source = load_prompt_list(args, target)
+    assert prompts == held and source["split"].startswith("eval")
+    args.split = "all"
+    prompts, source = load_prompt_list(args, target)
+    assert len(prompts) == 60 and source["split"] == "none (used as given)"
 
 
 @pytest.mark.parametrize("args,flag", [
@@ -102,7 +126,7 @@ def test_distributed_bench_over_real_processes_json_contract(tiny_stack, capsys)
     """Both deployments as real processes (redis, verifier, drafter, scheduler; serve all), same prompts."""
     s = tiny_stack
     rc = main(["bench", "--distributed", "--target", s["target"], "--drafter-path", s["drafter"],
-               "--dataset", s["data"], "--concurrency", "1,2", "--num-prompts", "3", "--max-new-tokens", "8",
+               "--dataset", s["data"], "--split", "all", "--concurrency", "1,2", "--num-prompts", "3", "--max-new-tokens", "8",
                "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
