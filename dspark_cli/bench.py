@@ -159,19 +159,15 @@ def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
     from dspark_core.training.data import load_prompts, split
 
     limit = target.max_context - args.max_new_tokens - 1
-    if args.dataset and getattr(args, "split", "eval") == "all":
-        sets = [load_prompts(f) for f in args.dataset]
-        source = {"datasets": [Path(f).name for f in args.dataset], "split": "none (used as given)"}
-    elif args.dataset:
-        sets = [split(load_prompts(f), 0.2)[1] for f in args.dataset]
-        for f, held in zip(args.dataset, sets):
-            if not held:
-                raise InvalidArgument("--dataset", f, "has no held-out prompt (its eval split is empty); pass "
-                                                      "--split all to use the file as given")
-        source = {"datasets": [Path(f).name for f in args.dataset], "split": "eval (20%, hashed), round-robin"}
-    else:
-        sets = [split(load_prompts(f), 0.2)[1] for f in default_datasets()]
-        source = {"datasets": list(DEFAULT_DATASETS), "split": "eval (20%, hashed), round-robin"}
+    as_given = bool(args.dataset) and args.split == "all"
+    files = args.dataset or default_datasets()
+    sets = [load_prompts(f) if as_given else split(load_prompts(f), 0.2)[1] for f in files]
+    for f, held in zip(args.dataset or (), sets):
+        if not held:
+            raise InvalidArgument("--dataset", f, "has no held-out prompt (its eval split is empty); pass "
+                                                  "--split all to use the file as given")
+    source = {"datasets": [Path(f).name for f in args.dataset] if args.dataset else list(DEFAULT_DATASETS),
+              "split": "none (used as given)" if as_given else "eval (20%, hashed), round-robin"}
     order = [s[i] for i in range(max(map(len, sets), default=0)) for s in sets if i < len(s)]
     prompts, too_long = [], 0
     for pr in order:

@@ -49,11 +49,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x cos + rotate_half(x) sin, as roll(x) * signed_sin (the first half of sin negated): four calls
     instead of seven, bitwise equal (negating a factor before or after a product rounds the same)."""
@@ -123,8 +118,6 @@ class LeanDecoder:
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
         self.layers = [_Layer(layer, i, linear or dense_linear) for i, layer in enumerate(decoder.layers)]
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self.inter = getattr(hf_config, "intermediate_size", 0)
         # every projection batch-invariant (the packed formats): then a verify pass's attention runs row by row
         # over exactly the keys each row sees, so that pass computes each row bitwise as the one-row
