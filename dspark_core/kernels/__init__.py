@@ -1,0 +1,126 @@
+"""Our own CPU kernels, compiled once per machine with the system's C++ compiler (torch.utils.cpp_extension).
+
+`q8dot`: GGUF-style block-quantized matmuls (Q4_0 / Q4_1 / Q8_0 weights) as exact integer dot products with
+AVX512-VNNI, activations quantized per row and per block of 32 to int8 the way llama.cpp does for these formats
+(see q8dot.cpp). Why our own: PyTorch's int4 kernel dequantizes every weight to float for every few rows, so its
+cost grows ~1.3 ms a row on SmolLM2 past two rows (compute-bound), and a verify pass of 8 rows cost 2.4 one-row
+steps; the integer kernel loads a weight block once for 4 rows and multiplies 64 pairs per instruction
+(docs/results/weights/README.md has the measurements). oneDNN's int8 matmul (`qlinear_pointwise`) is flat in the
+row count but ~1.6x slower at one row and quantizes activations per tensor (not batch-invariant);
+`torch._int_mm` re-packs the weight on every call.
+
+Built on first use into `$DSPARK_HOME/kernels` (default ~/.cache/dspark/kernels; `make setup` builds it), keyed
+by the source's hash. Used only where the CPU has AVX512-VNNI; `DSPARK_Q8DOT=0` turns it off (then `gguf`
+serves through PyTorch's int4 kernel with bf16 activations, a different rounding of the same codes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+_log = logging.getLogger(__name__)
+_SOURCES = [Path(__file__).with_name(f) for f in ("q8dot.cpp", "attention.cpp")]
+_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_state: dict[str, object] = {}
+BLOCK = 32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build_dir() -> Path:
+    home = Path(os.environ.get("DSPARK_HOME", Path.home() / ".cache" / "dspark"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()
+    return home / "kernels" / f"cpu-{digest[:12]}"
+
+
+def q8dot_unavailable() -> str | None:
+    """Why the q8dot kernels cannot run here (None: they can; built or loaded on first call)."""
+    if "why" in _state:
+        return _state["why"]  # type: ignore[return-value]
+    why = None
+    if os.environ.get("DSPARK_Q8DOT", "1") == "0":
+        why = "turned off by DSPARK_Q8DOT=0"
+    else:
+        missing = [f for f in _FLAGS if f not in _cpu_flags()]
+        if missing:
+            why = f"the CPU lacks {', '.join(missing)}"
+    if why is None:
+        why = _load()
+    _state["why"] = why
+    return why
+
+
+def _load() -> str | None:
+    out = build_dir()
+    lib = out / "dspark_cpu.so"
+    try:
+        if lib.is_file() and not (out / "lock").exists():  # built, and no build in progress (torch's file baton)
+            torch.ops.load_library(str(lib))
+            return None
+        from torch.utils.cpp_extension import load
+
+        out.mkdir(parents=True, exist_ok=True)
+        _log.warning("building the q8dot CPU kernels into %s (once per machine, ~30 s)", out)
+        load(name="dspark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(out), is_python_module=False,
+             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"],
+             verbose=False)
+        return None
+    except Exception as exc:  # no compiler, no ninja, a failed build: serve through PyTorch's kernels
+        _log.warning("q8dot kernels unavailable (%s): gguf weights use PyTorch's int4 kernel", exc)
+        return f"build failed: {exc}"
+
+
+def _tiles(t: torch.Tensor, n: int, g: int) -> torch.Tensor:
+    """[N, G] per-block values (2 bytes each) -> the kernel's [N / 16, G, 32] bytes."""
+    return t.reshape(n // 16, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (0..15) with a scale d and offset o per block of 32 [N, K / 32] (w = d q + o; both
+    rounded to fp16) -> the q4_mm layout, uint8 [N / 16, K / 32, 320] (q8dot.cpp)."""
+    n, k = codes.shape
+    g = k // BLOCK
+    c = codes.to(torch.uint8).reshape(n // 16, 16, g, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # T, G, v, lo/hi, col, j
+    nibbles = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(n // 16, g, 256)
+    return torch.cat([nibbles, _tiles(d.to(torch.float16), n, g), _tiles(o.to(torch.float16), n, g)], -1)
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """8-bit signed codes [N, K] with a scale d per block of 32 [N, K / 32] (w = d q; d rounded to fp16) -> the
+    q8_mm layout, uint8 [N / 16, K / 32, 576] (q8dot.cpp)."""
+    n, k = q.shape
+    g = k // BLOCK
+    codes = q.to(torch.int8).reshape(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 512)
+    sums = q.to(torch.int32).reshape(n, g, BLOCK).sum(-1).to(torch.int16)
+    return torch.cat([codes.view(torch.uint8), _tiles(d.to(torch.float16), n, g), _tiles(sums, n, g)], -1)
+
+
+def q4_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.ops.dspark_cpu.q4_mm.default(x, packed, n)
+
+
+def q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.ops.dspark_cpu.q8_mm.default(x, packed, n)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels multiply by: x [M, K] quantized per row and block of 32 (symmetric int8, round half to
+    even), dequantized back to float32. Reference for tests."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv).clamp_(-127, 127) * (amax / 127.0)).reshape(m, k)

@@ -1,0 +1,203 @@
+// Integer dot-product matmuls for GGUF-style block-quantized weights on x86 CPUs with AVX512-VNNI.
+//
+// y[m, n] = sum_k x[m, k] w[n, k] with w stored in blocks of 32 inputs (Q4: 4-bit codes with a scale d and an
+// offset o per block, w = d q + o; Q8: 8-bit signed codes with a scale d, w = d q). Activations are quantized
+// the way llama.cpp does it for these formats: per row and per block of 32, symmetric int8 with scale
+// s = max|x| / 127 (round to nearest even). A block's contribution is then an exact integer dot product
+// (vpdpbusd) scaled in float32:
+//     Q4: y += (d s) * sum q xq  +  o * (s sum xq)         Q8: y += (d s) * sum q xq
+// Each row's result is computed by the same sequence of operations whatever the number of rows, the row's
+// position in the batch, the row-block size or the number of threads (rows are blocked only to share the
+// weight loads, columns are split between threads): a row's output is bitwise batch-invariant.
+//
+// Weight layout (prepared in Python, dspark_core/kernels/__init__.py): uint8 [N/16, K/32, bytes], columns in tiles
+// of 16, blocks of 32 inputs, each block's codes then its per-column constants:
+//   Q4 (320 bytes): 4 x 64 code bytes, byte 4c + j of vector v holding column c's codes k = 8v + j (low nibble)
+//       and k = 8v + 4 + j (high nibble), so one vpdpbusd covers 16 columns x 4 inputs; fp16 d [16]; fp16 o [16].
+//   Q8 (576 bytes): 8 x 64 code bytes (int8), byte 4c + j of vector v holding column c's code k = 4v + j;
+//       fp16 d [16]; int16 sum of the block's codes [16].
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kRows = 4;  // rows sharing one load of a weight block
+
+// Quantize rows of x [M, K] per block of 32: xq int8, and per block s and s * sum(xq).
+// offset: store q + 128 as uint8 bits (the unsigned operand of vpdpbusd, for signed weights)
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* s, float* ssum, bool offset) {
+  const int64_t G = K / kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xb = x + m * K + g * kBlock;
+      __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+      float scale = amax / 127.0f;
+      float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(inv)));  // round to nearest even
+      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(inv)));
+      __m128i b0 = _mm512_cvtsepi32_epi8(q0), b1 = _mm512_cvtsepi32_epi8(q1);
+      if (offset) {
+        b0 = _mm_xor_si128(b0, _mm_set1_epi8(static_cast<char>(0x80)));
+        b1 = _mm_xor_si128(b1, _mm_set1_epi8(static_cast<char>(0x80)));
+      }
+      int8_t* qb = xq + m * K + g * kBlock;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), b0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), b1);
+      int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      s[m * G + g] = scale;
+      ssum[m * G + g] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One matrix is one sequential stream: tile by tile (16 columns), block by block, each block's codes followed by
+// its 16 fp16 scales and 16 fp16 offsets (Q4) or code sums (Q8). Single-thread decoding streams every weight
+// from DRAM once per step, so the layout is what the hardware prefetchers like, helped by explicit prefetches.
+constexpr int64_t kQ4Bytes = 256 + 64, kQ8Bytes = 512 + 64, kAhead = 8;
+
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
+// Q4: rows [m0, m0 + R) x one tile of 16 columns.
+template <int R>
+inline void q4_tile(const uint8_t* tile, const int8_t* xq, const float* s, const float* ssum, int64_t K, int64_t G,
+                    int64_t m0, float* y, int64_t N, int64_t n0) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* cb = tile + g * kQ4Bytes;
+    prefetch(cb + kAhead * kQ4Bytes, kQ4Bytes);
+    __m512i w[8];
+    for (int v = 0; v < 4; ++v) {
+      __m512i packed = _mm512_loadu_si512(cb + 64 * v);
+      w[2 * v] = _mm512_and_si512(packed, mask);
+      w[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+    }
+    const __m512 dv = load_half16(reinterpret_cast<const at::Half*>(cb + 256));
+    const __m512 ov = load_half16(reinterpret_cast<const at::Half*>(cb + 288));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xb = xq + m * K + g * kBlock;
+      __m512i isum = _mm512_setzero_si512();
+      // vector 2v covers inputs 8v..8v+3 of the block, vector 2v+1 inputs 8v+4..8v+7
+      for (int v = 0; v < 8; ++v) isum = _mm512_dpbusd_epi32(isum, w[v], bcast4(xb + 4 * v));
+      const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(s[m * G + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc[r]);
+      acc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(ssum[m * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+}
+
+// Q8: activations offset to uint8 (xq + 128); 128 * (sum of the block's codes) per column undoes the offset.
+template <int R>
+inline void q8_tile(const uint8_t* tile, const int8_t* xu, const float* s, int64_t K, int64_t G, int64_t m0,
+                    float* y, int64_t N, int64_t n0) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* cb = tile + g * kQ8Bytes;
+    prefetch(cb + kAhead * kQ8Bytes, kQ8Bytes);
+    __m512i w[8];
+    for (int v = 0; v < 8; ++v) w[v] = _mm512_loadu_si512(cb + 64 * v);
+    const __m512 dv = load_half16(reinterpret_cast<const at::Half*>(cb + 512));
+    const __m512i corr = _mm512_slli_epi32(
+        _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 544))), 7);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xb = xu + m * K + g * kBlock;
+      __m512i isum = _mm512_setzero_si512();
+      for (int v = 0; v < 8; ++v) isum = _mm512_dpbusd_epi32(isum, bcast4(xb + 4 * v), w[v]);
+      isum = _mm512_sub_epi32(isum, corr);
+      const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(s[m * G + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& codes, int64_t n, int64_t bytes_per_block) {
+  TORCH_CHECK(codes.scalar_type() == torch::kByte, "packed weights must be uint8, got ", codes.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
+  TORCH_CHECK(n % 16 == 0, "N must be a multiple of 16, got ", n);
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() == (n / 16) * (x.size(1) / kBlock) * bytes_per_block,
+              "codes do not match N = ", n, ", K = ", x.size(1));
+}
+
+template <typename Tile>
+void run_tiles(int64_t M, int64_t N, Tile tile) {
+  const int64_t tiles = N / 16;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) tile(t, m, std::integral_constant<int, kRows>{});
+      switch (M - m) {
+        case 3: tile(t, m, std::integral_constant<int, 3>{}); break;
+        case 2: tile(t, m, std::integral_constant<int, 2>{}); break;
+        case 1: tile(t, m, std::integral_constant<int, 1>{}); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor q4_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  check(x, packed, n, kQ4Bytes);
+  const int64_t M = x.size(0), K = x.size(1), G = K / kBlock;
+  auto xq = torch::empty({M, K}, torch::kInt8);
+  auto s = torch::empty({M, G}, torch::kFloat32), ssum = torch::empty({M, G}, torch::kFloat32);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), s.data_ptr<float>(), ssum.data_ptr<float>(), false);
+  auto y = torch::empty({M, n}, torch::kFloat32);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  const float *sp = s.data_ptr<float>(), *ssp = ssum.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  run_tiles(M, n, [&](int64_t t, int64_t m, auto rows) {
+    q4_tile<decltype(rows)::value>(wp + t * G * kQ4Bytes, xp, sp, ssp, K, G, m, yp, n, t * 16);
+  });
+  return y;
+}
+
+torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  check(x, packed, n, kQ8Bytes);
+  const int64_t M = x.size(0), K = x.size(1), G = K / kBlock;
+  auto xq = torch::empty({M, K}, torch::kInt8);
+  auto s = torch::empty({M, G}, torch::kFloat32), ssum = torch::empty({M, G}, torch::kFloat32);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), s.data_ptr<float>(), ssum.data_ptr<float>(), true);
+  auto y = torch::empty({M, n}, torch::kFloat32);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  run_tiles(M, n, [&](int64_t t, int64_t m, auto rows) {
+    q8_tile<decltype(rows)::value>(wp + t * G * kQ8Bytes, xp, sp, K, G, m, yp, n, t * 16);
+  });
+  return y;
+}
+
+TORCH_LIBRARY(dspark_cpu, m) {
+  m.def("q4_mm(Tensor x, Tensor packed, int n) -> Tensor", q4_mm);
+  m.def("q8_mm(Tensor x, Tensor packed, int n) -> Tensor", q8_mm);
+}

@@ -1,0 +1,80 @@
+"""Our CPU kernels (dspark_core/kernels): the row-by-row attention against PyTorch's SDPA, its batch invariance,
+and its refusals. (The integer matmuls are tested with the GGUF blocks in test_packed_weights.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark_core.kernels import q8dot_unavailable
+
+WHY = q8dot_unavailable()
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(WHY is not None, reason=f"CPU kernels: {WHY}")]
+
+
+def _attn(q, k, v, lengths, scale):
+    return torch.ops.dspark_cpu.row_attention(q, k, v, torch.tensor(lengths, dtype=torch.long), scale)
+
+
+@pytest.mark.parametrize("d,h,kvh", [(64, 9, 3), (16, 4, 4), (128, 8, 2)])
+def test_row_attention_is_sdpa_over_each_rows_keys(d, h, kvh):
+    torch.manual_seed(0)
+    n, rows, kv = 3, 5, 70
+    q = torch.randn(n, h, rows, d)
+    # the cache's layout: a view into a longer buffer, heads-major, strided
+    kbuf, vbuf = torch.randn(n, kvh, kv + 30, d) * 3, torch.randn(n, kvh, kv + 30, d)
+    k, v = kbuf[:, :, :kv], vbuf[:, :, :kv]
+    lengths = [[66, 67, 68, 69, 70], [1, 2, 0, 0, 0], [10, 30, 50, 70, 33]]
+    out = _attn(q, k, v, lengths, d ** -0.5)
+    for r in range(n):
+        for i in range(rows):
+            n_keys = lengths[r][i]
+            if n_keys == 0:
+                assert torch.equal(out[r, :, i], torch.zeros(h, d))  # a padded row
+                continue
+            ref = F.scaled_dot_product_attention(q[r:r + 1, :, i:i + 1], k[r:r + 1, :, :n_keys],
+                                                 v[r:r + 1, :, :n_keys], scale=d ** -0.5, enable_gqa=kvh != h)
+            assert torch.allclose(out[r, :, i], ref[0, :, 0], atol=2e-6, rtol=1e-5), (r, i)
+
+
+def test_a_rows_attention_does_not_depend_on_what_shares_its_call():
+    torch.manual_seed(1)
+    h, kvh, d, kv = 9, 3, 64, 200
+    q, k, v = torch.randn(2, h, 8, d), torch.randn(2, kvh, kv, d), torch.randn(2, kvh, kv, d)
+    lengths = [[193 + i for i in range(8)], [100, 120, 140, 160, 180, 200, 0, 0]]
+    full = _attn(q, k, v, lengths, 0.125)
+    for r in range(2):
+        for i in range(8):
+            alone = _attn(q[r:r + 1, :, i:i + 1], k[r:r + 1, :, : max(lengths[r][i], 1)],
+                          v[r:r + 1, :, : max(lengths[r][i], 1)], [[lengths[r][i]]], 0.125)
+            assert torch.equal(alone[0, :, 0], full[r, :, i]), (r, i)
+    if torch.get_num_threads() == 1:
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(_attn(q, k, v, lengths, 0.125), full)  # threads split rows, never a row
+        finally:
+            torch.set_num_threads(1)
+
+
+def test_extreme_scores_stay_finite_and_exact_where_one_key_dominates():
+    q = torch.zeros(1, 1, 1, 16)
+    q[..., 0] = 1000.0
+    k = torch.zeros(1, 1, 3, 16)
+    k[0, 0, 1, 0] = 1.0  # score 1000 against 0 and 0: all weight on key 1
+    v = torch.arange(48, dtype=torch.float32).reshape(1, 1, 3, 16)
+    out = _attn(q, k, v, [[3]], 1.0)
+    assert torch.equal(out[0, 0, 0], v[0, 0, 1])
+
+
+def test_bad_inputs_are_refused_by_name():
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 4, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _attn(q, k, k, [[5]], 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        _attn(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), [[4]], 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        _attn(q.double(), k, k, [[4]], 1.0)
+    with pytest.raises(RuntimeError, match="lengths"):
+        torch.ops.dspark_cpu.row_attention(q, k, k, torch.tensor([[4]], dtype=torch.int32), 1.0)
