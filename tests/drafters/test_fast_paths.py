@@ -166,3 +166,26 @@ def test_int8_choice_by_layer_size():
     assert matmul_dtype_name(lm) == "int8" and matmul_dtype_name(tiny) == "float32"
     set_matmul_dtype(lm, None)
     assert lm.__dict__.get("matmul_dtype") is None and lm.__dict__.get("matmul_fallback") is None
+
+
+def test_int8_runs_in_our_integer_kernels_where_they_run():
+    """On a CPU with AVX512-VNNI the drafter's int8 matmuls use dspark_core.kernels (Q8_0-style blocks of 32,
+    int8 activations): close to float32, a row's result independent of its batch, the row limit kept."""
+    from dspark_core.kernels import q8dot_unavailable
+
+    if q8dot_unavailable() is not None:
+        pytest.skip(f"CPU kernels: {q8dot_unavailable()}")
+    torch.manual_seed(0)
+    lin = layers.Linear(256, 320).requires_grad_(False).eval()
+    set_matmul_dtype(lin, torch.int8)
+    assert lin.__dict__.get("matmul_q8dot") is True
+    x = torch.randn(7, 256)
+    with torch.no_grad():
+        got, want = lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias)
+        assert torch.equal(lin(x[2:3]), got[2:3])
+        big = torch.randn(layers.INT8_MAX_ROWS + 1, 256)
+        assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.weight, lin.bias))
+    assert not torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
+    q, d = layers.quantize_q8_blocks(lin.weight)
+    assert q.abs().max() == 127 and d.shape == (320, 8) and torch.equal(d, d.half().float())
