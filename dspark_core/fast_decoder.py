@@ -128,12 +128,24 @@ class LeanDecoder:
         # and layer, the same operations for every row however many come with it (~1 ms a verified row on
         # SmolLM2 otherwise); None: SDPA row by row
         self._attn = None
+        from . import packed_weights
+
         if self.row_invariant and self.head_dim % 16 == 0 and self.head_dim <= 256 \
-                and self.norm_w.dtype == torch.float32 and self.norm_w.device.type == "cpu":
+                and self.norm_w.dtype == torch.float32 and self.norm_w.device.type == "cpu" \
+                and packed_weights.GGUF_KERNEL != "torch":  # "torch": PyTorch's kernels only (comparisons)
             from .kernels import q8dot_unavailable
 
             if q8dot_unavailable() is None:
                 self._attn = torch.ops.dspark_cpu.row_attention.default
+        # and the elementwise steps between the matmuls in one call each (norms, RoPE + head split, SwiGLU):
+        # ~1,000 small PyTorch ops a SmolLM2 step otherwise
+        hidden = self.norm_w.numel()
+        self._glue = (self._attn is not None and hidden % 16 == 0 and self.inter % 16 == 0
+                      and self.head_dim % 2 == 0 and all(L.q_norm is None for L in self.layers))
+        if self._glue:
+            ops = torch.ops.dspark_cpu
+            self._norm_op, self._silu_op, self._rope_op = ops.rms_norm.default, ops.silu_mul.default, \
+                ops.rope_split.default
 
     def _row_attention(self, qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        by_row: list[list[int | None]]) -> torch.Tensor:
@@ -156,6 +168,27 @@ class LeanDecoder:
                     qs[r:r + 1, :, i:i + 1], keys[r:r + 1, :, :length], values[r:r + 1, :, :length],
                     scale=self.scaling, enable_gqa=gqa)
         return out
+
+    def _glued(self, x, n, q, cos, sin, by_row, cache, keep_layers, kept, rows):
+        """The layer loop of __call__ with our kernels for everything between the matmuls (same math: HF's
+        RMSNorm, x cos + roll(x) signed_sin, silu(g) u), for the batch-invariant path."""
+        h, d, kvh = self.num_heads, self.head_dim, self.num_kv_heads
+        lengths = torch.tensor([[0 if m is None else m for m in row] for row in by_row], dtype=torch.long)
+        norm, rope, silu_mul, attend = self._norm_op, self._rope_op, self._silu_op, self._attn
+        for li, L in enumerate(self.layers):
+            qkv = L.qkv(norm(x, L.in_norm, self.eps))  # [N, (h + 2 kvh) d]
+            if rows is not None:
+                qkv = qkv.new_zeros(n * q, qkv.shape[-1]).index_copy_(0, rows, qkv)
+            qs, ks, vs = rope(qkv, cos, sin, n, h, kvh)
+            keys, values = cache.update(ks, vs, li)
+            attn = attend(qs, keys, values, lengths, self.scaling).transpose(1, 2).reshape(n * q, h * d)
+            if rows is not None:
+                attn = attn.index_select(0, rows)
+            x = x + L.o(attn)
+            x = x + L.down(silu_mul(L.gate_up(norm(x, L.post_norm, self.eps))))
+            if li in keep_layers:
+                kept[li] = x
+        return norm(x, self.norm_w, self.eps), kept
 
     def linears(self) -> list[PackedLinear]:
         """Every matmul of one forward but the LM head, in order."""
@@ -193,6 +226,8 @@ class LeanDecoder:
         cos, sin = self.rotary(x, position_ids)  # [n, q, d]
         half = d // 2
         sin = torch.cat((sin[..., :half].neg(), sin[..., half:]), dim=-1)  # signed for _rope
+        if self._glue and by_row is not None and x.dtype == torch.float32:
+            return self._glued(x, n, q, cos.contiguous(), sin.contiguous(), by_row, cache, keep_layers, kept, rows)
         cos, sin = cos[:, None], sin[:, None]  # [n, 1, q, d]
         hk = h + kvh
         for li, L in enumerate(self.layers):

@@ -8,15 +8,22 @@ weights. This module holds each (fused) projection of the lean decoder and the L
 - `bfloat16`: a bf16 copy, bf16 activations into the matmul (oneDNN, fp32 accumulation).
 - `int8`: symmetric per-output-channel int8 (the drafter's `quantize_int8`), `aten._weight_int8pack_mm`.
 - `int4`: asymmetric int4 with one scale and zero per group of 32 inputs (`aten._weight_int4pack_mm_for_cpu`).
-- `gguf`: a GGUF file's own blocks re-packed into the int4 kernel's layout. Q4_0 / Q4_1 keep their 4-bit codes;
-  the block scale d and min m become the kernel's scale and zero (the kernel computes `(q - 8) s + z`: Q4_1
-  `d q + m` is `s = d, z = m + 8 d`; Q4_0 `d (q - 8)` is `s = d, z = 0`). Q8_0 (8-bit codes) is split exactly
-  into a high and a low nibble, two int4 products summed: `d q = 16 d (hi + 8 - 8) + d (lo - 8) + 8 d`.
+- `gguf`: a GGUF file's own blocks. Where the CPU has AVX512-VNNI (and our kernels build: dspark_core.kernels)
+  they are served by our integer kernels (`Q8DotLinear`): Q4_0 / Q4_1 as 4-bit codes with the file's fp16 scale
+  and offset per block of 32, Q8_0 as 8-bit codes with its fp16 scale, every weight exactly the file's value;
+  activations are quantized per row and block of 32 to int8 (symmetric, as llama.cpp does for these formats),
+  each block's dot product is exact in int32 and the output float32. Elsewhere they are re-packed into PyTorch's
+  int4 kernel's layout. Q4_0 / Q4_1 keep their 4-bit codes; the block scale d and min m become the kernel's
+  scale and zero (the kernel computes `(q - 8) s + z`: Q4_1 `d q + m` is `s = d, z = m + 8 d`; Q4_0 `d (q - 8)`
+  is `s = d, z = 0`). Q8_0 (8-bit codes) is split exactly into a high and a low nibble, two int4 products
+  summed: `d q = 16 d (hi + 8 - 8) + d (lo - 8) + 8 d`.
 
-What is exact in `gguf`: the codes (every 4-bit / 8-bit value of the file). What is not: the kernel takes its
-scales, zeros and activations in bf16 and returns bf16, so the fp16 block scales / mins are rounded to bf16
-(relative error <= 2^-9) and each product is rounded to bf16. There is no fast fp32-activation path: measured
-on this CPU the same int4 kernel with fp32 activations is ~40x slower than with bf16.
+What is exact in `gguf` through PyTorch's int4 kernel: the codes (every 4-bit / 8-bit value of the file). What is
+not: the kernel takes its scales, zeros and activations in bf16 and returns bf16, so the fp16 block scales /
+mins are rounded to bf16 (relative error <= 2^-9) and each product is rounded to bf16. There is no fast
+fp32-activation path: measured on this CPU the same int4 kernel with fp32 activations is ~40x slower than with
+bf16. Through our kernels the weights are exact and the rounding is the activations' int8 (a relative error
+of ~0.5% per product on random data, against ~1-2% for bf16 in and out).
 
 Row counts: every product of a packed format runs in its packed kernel, whatever the number of rows. Both
 kernels are batch-invariant (a row's result is bitwise the same however many rows come with it, checked in
@@ -301,7 +308,8 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)
 
 
-# the kernel `gguf` blocks go to when a caller names none (tests pin each in turn): None = q8dot where it runs
+# the kernel `gguf` blocks go to when a caller names none (tests and comparisons pin each in turn): None = ours
+# (q8dot) where it runs; "torch" = PyTorch's kernels only (the lean decoder then also attends through SDPA)
 GGUF_KERNEL: str | None = None
 
 

@@ -63,7 +63,8 @@ def logits_along(target: TargetRuntime, ids: list[int]) -> torch.Tensor:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--formats", default="float32,bfloat16,int8,int4,gguf")
+    ap.add_argument("--formats", default="float32,bfloat16,int8,int4,gguf",
+                    help="comma-separated --weights values; gguf-torch / gguf-q8dot pin gguf's kernel")
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,12,16")
     ap.add_argument("--context-length", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
@@ -77,7 +78,17 @@ def main() -> int:
     target_dir = resolve_target(args.target)
     formats = args.formats.split(",")
     rows = [int(r) for r in args.rows.split(",")]
-    targets = {f: TargetRuntime(TargetConfig(target_dir, device="cpu", dtype="float32", weights=f)) for f in formats}
+    def load(f: str) -> TargetRuntime:  # gguf-torch / gguf-q8dot: --weights gguf through that kernel
+        from dspark_core import packed_weights
+
+        weights, _, kernel = f.partition("-")
+        packed_weights.GGUF_KERNEL = kernel or None
+        try:
+            return TargetRuntime(TargetConfig(target_dir, device="cpu", dtype="float32", weights=weights))
+        finally:
+            packed_weights.GGUF_KERNEL = None
+
+    targets = {f: load(f) for f in formats}
     prompts = [encode_prompt(targets[formats[0]].tokenizer, p) for p in PROMPTS]
 
     # -- logits against float32, along float32's own greedy trajectories

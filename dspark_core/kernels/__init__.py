@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 _log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(f) for f in ("q8dot.cpp", "attention.cpp")]
+_SOURCES = [Path(__file__).with_name(f) for f in ("q8dot.cpp", "attention.cpp", "glue.cpp")]
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _state: dict[str, object] = {}
 BLOCK = 32
@@ -75,7 +75,7 @@ def _load() -> str | None:
         out.mkdir(parents=True, exist_ok=True)
         _log.warning("building the q8dot CPU kernels into %s (once per machine, ~30 s)", out)
         load(name="dspark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(out), is_python_module=False,
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"],
+             extra_cflags=["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"],
              verbose=False)
         return None
     except Exception as exc:  # no compiler, no ninja, a failed build: serve through PyTorch's kernels

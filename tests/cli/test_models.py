@@ -56,12 +56,17 @@ def test_import_gguf_logits_equal_transformers_gguf_load(gguf_file, tmp_path):
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)  # our runtime: same model, other kernels
     assert int(ref[-1].argmax()) == int(logits[-1].argmax())
 
-    # by default the imported target serves the file's own blocks (bf16 block scales and activations in the
-    # kernel: close, not equal; docs/results/weights/README.md)
+    # by default the imported target serves the file's own blocks: close, not equal (docs/results/weights/README.md):
+    # through PyTorch's int4 kernel bf16 block scales and activations (<= 8% of the largest logit here), through
+    # our integer kernels int8 activations per block of 32 (<= 15%: SmolLM2's outlier channels; top-1 kept)
+    from dspark_core.kernels import q8dot_unavailable
+
     packed = TargetRuntime(TargetConfig(model_dir=str(out), device="cpu", dtype="float32"))
     assert packed.weights == "gguf"
     served = packed.forward([(packed.new_sequence(), ids)]).logits_of(0)
-    assert ((served - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < 0.08
+    bound = 0.08 if q8dot_unavailable() is not None else 0.15
+    assert ((served - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < bound
+    assert (served.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
 def test_import_gguf_refuses_what_it_cannot_convert(tmp_path):

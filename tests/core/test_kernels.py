@@ -78,3 +78,34 @@ def test_bad_inputs_are_refused_by_name():
         _attn(q.double(), k, k, [[4]], 1.0)
     with pytest.raises(RuntimeError, match="lengths"):
         torch.ops.dspark_cpu.row_attention(q, k, k, torch.tensor([[4]], dtype=torch.int32), 1.0)
+
+
+def test_rms_norm_and_swiglu_are_the_formulas():
+    torch.manual_seed(3)
+    x, w = torch.randn(5, 576) * 4, torch.randn(576)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(torch.ops.dspark_cpu.rms_norm(x, w, 1e-5), ref, atol=1e-5, rtol=1e-5)
+    gu = torch.randn(3, 2 * 1536) * 6
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-8])  # the gate's far tails
+    got = torch.ops.dspark_cpu.silu_mul(gu)
+    torch.testing.assert_close(got, F.silu(gu[:, :1536]) * gu[:, 1536:], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.dspark_cpu.rms_norm(torch.randn(2, 40), torch.randn(40), 1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 16])  # vector lanes, and the one-lane path of small heads
+def test_rope_split_is_bitwise_the_lean_decoders_rope(d):
+    from dspark_core.fast_decoder import _rope
+
+    torch.manual_seed(4)
+    n, q, h, kvh = 2, 3, 9, 3
+    qkv = torch.randn(n * q, (h + 2 * kvh) * d)
+    cos, sin = torch.randn(n, q, d), torch.randn(n, q, d)
+    qs, ks, vs = torch.ops.dspark_cpu.rope_split(qkv, cos, sin, n, h, kvh)
+    heads = qkv.view(n, q, h + 2 * kvh, d)
+    qk = _rope(heads[:, :, : h + kvh].transpose(1, 2), cos[:, None], sin[:, None])
+    assert torch.equal(qs, qk[:, :h]) and torch.equal(ks, qk[:, h:])
+    assert torch.equal(vs, heads[:, :, h + kvh:].transpose(1, 2))
+    with pytest.raises(RuntimeError, match="does not split"):
+        torch.ops.dspark_cpu.rope_split(qkv, cos, sin, 4, h, kvh)

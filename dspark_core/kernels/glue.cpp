@@ -1,0 +1,136 @@
+// The lean decoder's elementwise steps between matmuls, one call each instead of 4-12 small PyTorch ops (a
+// SmolLM2 decode step made ~1,000 of them). Used on the batch-invariant path with our other kernels: every row
+// is computed by the same operations whatever the batch, and the RoPE product is bitwise the PyTorch formula it
+// replaces (x cos + roll(x) signed_sin, no fused multiply-add).
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// exp on the whole float range: 2^n p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (rel. error <
+// 2e-7 there); x < -87.3 gives 0, x > 88.7 gives inf.
+inline __m512 exp_ps(__m512 x) {
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7f), _CMP_GT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 y = _mm512_scalef_ps(p, n);
+  y = _mm512_mask_mov_ps(y, over, _mm512_set1_ps(INFINITY));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), y);
+}
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), name,
+              " must be a contiguous float32 [rows, features] tensor");
+  TORCH_CHECK(x.size(1) % 16 == 0, name, ": features must be a multiple of 16, got ", x.size(1));
+}
+
+}  // namespace
+
+// HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps) * w, one row at a time.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(w.numel() == h && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "w must be float32 [", h, "]");
+  auto out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * h;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t e = 0; e < h; e += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + e);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + static_cast<float>(eps));
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t e = 0; e < h; e += 16)
+      _mm512_storeu_ps(op + r * h + e, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + e), s), _mm512_loadu_ps(wp + e)));
+  }
+  return out;
+}
+
+// SwiGLU's gate: silu(g) * u for gu = [g | u] [rows, 2 I] -> [rows, I].
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  check_rows(gu, "gate_up");
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  TORCH_CHECK(inter % 16 == 0, "the intermediate size must be a multiple of 16, got ", inter);
+  auto out = torch::empty({rows, inter}, torch::kFloat32);
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gp + r * 2 * inter;
+    for (int64_t e = 0; e < inter; e += 16) {
+      const __m512 gv = _mm512_loadu_ps(g + e), uv = _mm512_loadu_ps(g + inter + e);
+      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      _mm512_storeu_ps(op + r * inter + e, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
+    }
+  }
+  return out;
+}
+
+// The fused q/k/v projection's output [n * q, (h + 2 kvh) d] -> RoPE'd queries [n, h, q, d], RoPE'd keys
+// [n, kvh, q, d] and values [n, kvh, q, d], contiguous. cos / signed_sin [n, q, d] (signed_sin: the first half
+// negated), RoPE as x cos + roll(x, d / 2) signed_sin.
+std::vector<torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& ssin,
+                                      int64_t n, int64_t h, int64_t kvh) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous(), "qkv must be contiguous float32");
+  const int64_t q = n > 0 ? qkv.size(0) / n : 0, heads = h + 2 * kvh, d = heads > 0 ? qkv.size(1) / heads : 0;
+  TORCH_CHECK(n > 0 && q * n == qkv.size(0) && d * heads == qkv.size(1) && d % 2 == 0, "qkv [", qkv.size(0), ", ",
+              qkv.size(1), "] does not split into ", n, " sequences of ", h, " + 2 x ", kvh, " heads of even size");
+  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == n * q * d && ssin.numel() == n * q * d &&
+              cos.scalar_type() == torch::kFloat32 && ssin.scalar_type() == torch::kFloat32, "cos / sin must be float32 [n, q, d]");
+  auto qs = torch::empty({n, h, q, d}, torch::kFloat32);
+  auto ks = torch::empty({n, kvh, q, d}, torch::kFloat32);
+  auto vs = torch::empty({n, kvh, q, d}, torch::kFloat32);
+  const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = ssin.data_ptr<float>();
+  float *qp = qs.data_ptr<float>(), *kp = ks.data_ptr<float>(), *vp = vs.data_ptr<float>();
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < q; ++i) {
+      const float* row = src + (r * q + i) * heads * d;
+      const float* c = cp + (r * q + i) * d;
+      const float* s = sp + (r * q + i) * d;
+      for (int64_t hh = 0; hh < h + kvh; ++hh) {
+        const float* x = row + hh * d;
+        float* out = hh < h ? qp + ((r * h + hh) * q + i) * d : kp + ((r * kvh + hh - h) * q + i) * d;
+        if (half % 16 == 0) {
+          for (int64_t e = 0; e < d; e += 16) {
+            const int64_t rolled = e < half ? e + half : e - half;  // roll by d / 2: out[e] uses x[e - d/2 mod d]
+            const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + e), _mm512_loadu_ps(c + e));
+            const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x + rolled), _mm512_loadu_ps(s + e));
+            _mm512_storeu_ps(out + e, _mm512_add_ps(a, b));
+          }
+        } else {  // the same products and sum, one lane at a time (small heads)
+          for (int64_t e = 0; e < d; ++e) {
+            const float a = x[e] * c[e], b = x[e < half ? e + half : e - half] * s[e];
+            out[e] = a + b;
+          }
+        }
+      }
+      for (int64_t hh = 0; hh < kvh; ++hh)
+        std::memcpy(vp + ((r * kvh + hh) * q + i) * d, row + (h + kvh + hh) * d, d * sizeof(float));
+    }
+  }
+  return {qs, ks, vs};
+}
+
+TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", silu_mul);
+  m.def("rope_split(Tensor qkv, Tensor cos, Tensor signed_sin, int n, int h, int kvh) -> Tensor[]", rope_split);
+}
