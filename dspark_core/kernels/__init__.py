@@ -42,7 +42,8 @@ def _cpu_flags() -> set[str]:
 
 def build_dir() -> Path:
     home = Path(os.environ.get("DSPARK_HOME", Path.home() / ".cache" / "dspark"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()
+    parts = _SOURCES + [Path(__file__).with_name("vec_math.h")]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + torch.__version__.encode()).hexdigest()
     return home / "kernels" / f"cpu-{digest[:12]}"
 
 

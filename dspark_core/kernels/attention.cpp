@@ -12,27 +12,9 @@
 #include <cmath>
 #include <vector>
 
-namespace {
+#include "vec_math.h"
 
-// exp for x <= 0 (scores minus their max), AVX512: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], a degree-6
-// polynomial (Taylor, |rel. error| < 2e-7 on that interval); x < -87.3 gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~under), p, n);
-}
+namespace {
 
 inline float dot(const float* a, const float* b, int64_t d) {
   __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
@@ -58,7 +40,7 @@ void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t
   const __m512 mv = _mm512_set1_ps(m);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < padded; j += 16) {
-    __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+    __m512 p = dspark_kernels::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
     _mm512_storeu_ps(s + j, p);
     sum = _mm512_add_ps(sum, p);
   }

@@ -163,38 +163,46 @@ void run_tiles(int64_t M, int64_t N, Tile tile) {
 
 }  // namespace
 
+// x quantized per row and block (the offset form for signed weights), and the float32 output, for one product.
+struct Product {
+  int64_t M, K, G;
+  torch::Tensor xq, s, ssum, y;
+  Product(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t block_bytes, bool offset)
+      : M(x.size(0)), K(x.size(1)), G(x.size(1) / kBlock) {
+    check(x, packed, n, block_bytes);
+    xq = torch::empty({M, K}, torch::kInt8);
+    s = torch::empty({M, G}, torch::kFloat32);
+    ssum = torch::empty({M, G}, torch::kFloat32);
+    quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), s.data_ptr<float>(), ssum.data_ptr<float>(),
+                  offset);
+    y = torch::empty({M, n}, torch::kFloat32);
+  }
+};
+
 torch::Tensor q4_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
-  check(x, packed, n, kQ4Bytes);
-  const int64_t M = x.size(0), K = x.size(1), G = K / kBlock;
-  auto xq = torch::empty({M, K}, torch::kInt8);
-  auto s = torch::empty({M, G}, torch::kFloat32), ssum = torch::empty({M, G}, torch::kFloat32);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), s.data_ptr<float>(), ssum.data_ptr<float>(), false);
-  auto y = torch::empty({M, n}, torch::kFloat32);
+  Product p(x, packed, n, kQ4Bytes, false);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int8_t* xp = xq.data_ptr<int8_t>();
-  const float *sp = s.data_ptr<float>(), *ssp = ssum.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  run_tiles(M, n, [&](int64_t t, int64_t m, auto rows) {
+  const int8_t* xp = p.xq.data_ptr<int8_t>();
+  const float *sp = p.s.data_ptr<float>(), *ssp = p.ssum.data_ptr<float>();
+  float* yp = p.y.data_ptr<float>();
+  const int64_t K = p.K, G = p.G;
+  run_tiles(p.M, n, [&](int64_t t, int64_t m, auto rows) {
     q4_tile<decltype(rows)::value>(wp + t * G * kQ4Bytes, xp, sp, ssp, K, G, m, yp, n, t * 16);
   });
-  return y;
+  return p.y;
 }
 
 torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
-  check(x, packed, n, kQ8Bytes);
-  const int64_t M = x.size(0), K = x.size(1), G = K / kBlock;
-  auto xq = torch::empty({M, K}, torch::kInt8);
-  auto s = torch::empty({M, G}, torch::kFloat32), ssum = torch::empty({M, G}, torch::kFloat32);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), s.data_ptr<float>(), ssum.data_ptr<float>(), true);
-  auto y = torch::empty({M, n}, torch::kFloat32);
+  Product p(x, packed, n, kQ8Bytes, true);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int8_t* xp = xq.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  run_tiles(M, n, [&](int64_t t, int64_t m, auto rows) {
+  const int8_t* xp = p.xq.data_ptr<int8_t>();
+  const float* sp = p.s.data_ptr<float>();
+  float* yp = p.y.data_ptr<float>();
+  const int64_t K = p.K, G = p.G;
+  run_tiles(p.M, n, [&](int64_t t, int64_t m, auto rows) {
     q8_tile<decltype(rows)::value>(wp + t * G * kQ8Bytes, xp, sp, K, G, m, yp, n, t * 16);
   });
-  return y;
+  return p.y;
 }
 
 TORCH_LIBRARY(dspark_cpu, m) {
