@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -73,6 +74,10 @@ def _load() -> str | None:
             return None
         from torch.utils.cpp_extension import load
 
+        # torch looks for `ninja` on PATH: the environment's own (the `ninja` package) when no system one exists
+        here = str(Path(sys.executable).parent)
+        if here not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
         out.mkdir(parents=True, exist_ok=True)
         _log.warning("building the q8dot CPU kernels into %s (once per machine, ~30 s)", out)
         load(name="dspark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(out), is_python_module=False,
