@@ -148,12 +148,12 @@ class LeanDecoder:
                 ops.rope_split.default
 
     def _row_attention(self, qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       by_row: list[list[int | None]]) -> torch.Tensor:
+                       by_row: list[list[int | None]], lengths: torch.Tensor | None = None) -> torch.Tensor:
         """qs [n, h, q, d]; keys / values [n, kvh, kv, d] -> [n, h, q, d]: row i of sequence r attends to its
         first by_row[r][i] keys alone, in a call of the one-row step's own shape (no mask, no padding), so
-        its softmax reduces over exactly the keys the autoregressive step at that position reduces over."""
-        if self._attn is not None and qs.dtype == torch.float32:
-            lengths = torch.tensor([[0 if n is None else n for n in row] for row in by_row], dtype=torch.long)
+        its softmax reduces over exactly the keys the autoregressive step at that position reduces over.
+        `lengths`: by_row as our attention kernel's int64 [n, q] (0 for a padded row), built once a pass."""
+        if lengths is not None and qs.dtype == torch.float32:
             return self._attn(qs, keys, values, lengths, self.scaling)
         gqa = self.num_kv_heads != self.num_heads
         if len(by_row) == 1 and len(by_row[0]) == 1 and by_row[0][0] == keys.shape[2]:
@@ -169,11 +169,10 @@ class LeanDecoder:
                     scale=self.scaling, enable_gqa=gqa)
         return out
 
-    def _glued(self, x, n, q, cos, sin, by_row, cache, keep_layers, kept, rows):
+    def _glued(self, x, n, q, cos, sin, lengths, cache, keep_layers, kept, rows):
         """The layer loop of __call__ with our kernels for everything between the matmuls (same math: HF's
         RMSNorm, x cos + roll(x) signed_sin, silu(g) u), for the batch-invariant path."""
         h, d, kvh = self.num_heads, self.head_dim, self.num_kv_heads
-        lengths = torch.tensor([[0 if m is None else m for m in row] for row in by_row], dtype=torch.long)
         norm, rope, silu_mul, attend = self._norm_op, self._rope_op, self._silu_op, self._attn
         for li, L in enumerate(self.layers):
             qkv = L.qkv(norm(x, L.in_norm, self.eps))  # [N, (h + 2 kvh) d]
@@ -226,8 +225,11 @@ class LeanDecoder:
         cos, sin = self.rotary(x, position_ids)  # [n, q, d]
         half = d // 2
         sin = torch.cat((sin[..., :half].neg(), sin[..., half:]), dim=-1)  # signed for _rope
-        if self._glue and by_row is not None and x.dtype == torch.float32:
-            return self._glued(x, n, q, cos.contiguous(), sin.contiguous(), by_row, cache, keep_layers, kept, rows)
+        lengths = None  # by_row for our attention kernel, once a pass
+        if by_row is not None and self._attn is not None:
+            lengths = torch.tensor([[0 if m is None else m for m in row] for row in by_row], dtype=torch.long)
+        if self._glue and lengths is not None and x.dtype == torch.float32:
+            return self._glued(x, n, q, cos.contiguous(), sin.contiguous(), lengths, cache, keep_layers, kept, rows)
         cos, sin = cos[:, None], sin[:, None]  # [n, 1, q, d]
         hk = h + kvh
         for li, L in enumerate(self.layers):
@@ -246,7 +248,7 @@ class LeanDecoder:
                 ks = _rope(_rms_norm(heads[:, :, h:hk], L.k_norm, self.eps).transpose(1, 2), cos, sin)
             keys, values = cache.update(ks, vs, li)
             if by_row is not None:
-                attn = self._row_attention(qs, keys, values, by_row)
+                attn = self._row_attention(qs, keys, values, by_row, lengths)
             else:
                 attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=attention_mask,
                                                       scale=self.scaling, enable_gqa=kvh != h)

@@ -114,14 +114,6 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes.view(torch.uint8), _tiles(d.to(torch.float16), n, g), _tiles(sums, n, g)], -1)
 
 
-def q4_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.ops.dspark_cpu.q4_mm.default(x, packed, n)
-
-
-def q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.ops.dspark_cpu.q8_mm.default(x, packed, n)
-
-
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """What the kernels multiply by: x [M, K] quantized per row and block of 32 (symmetric int8, round half to
     even), dequantized back to float32. Reference for tests."""
