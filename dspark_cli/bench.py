@@ -251,7 +251,8 @@ def run(args) -> int:
 
     import torch
 
-    from dspark_core.benchmark import plan, plan_llamacpp, plot_results, run_benchmark, total_requests
+    from dspark_core.benchmark import (plan, plan_llamacpp, plot_results, repeated_prompt_warnings, run_benchmark,
+                                       total_requests)
     from dspark_core.profiling import quick_sps_table
 
     from .generate import _quiet_transformers
@@ -286,6 +287,7 @@ def run(args) -> int:
                      "assistant_schedule": "transformers default"}
     llamacpp = load_llamacpp(args, target_dir, target, warnings)
     policies, hf_modes, plan_warnings = plan(settings, drafter, sps, hf)
+    plan_warnings += repeated_prompt_warnings(settings, len(prompts))  # the result lists them too
     for w in warnings + plan_warnings:
         print(f"dspark bench: warning: {w}", file=sys.stderr)
     lc_modes, _ = plan_llamacpp(settings, llamacpp)

@@ -96,6 +96,22 @@ def q8dot_fits(n: int, k: int) -> bool:
 INT8_MAX_ROWS = 32
 
 
+def _q8dot_max_rows() -> int:
+    """Rows up to which our integer kernel beats the fallback, by CPU. With AMX (Intel Sapphire Rapids and
+    later) the bf16 matmul's tiles win past ~32 rows (224 rows of the LM head: int8 4.3 ms, bf16 1.2 ms).
+    Without AMX (AVX512-VNNI / BF16 only, e.g. AMD Zen 4) ours stays ahead of bf16 to 256 rows and even at
+    1,024 (the SmolLM2 drafter's shapes, one thread: fused gate/up 3072 x 576 at 64 rows 0.54 vs 0.84 ms,
+    at 256 rows 2.15 vs 2.76 ms, at 1,024 8.9 vs 10.8 ms; the float32 fallback of the smaller layers is
+    ~4-6x slower still), which is what the drafter's catch-up over skipped positions and batched drafting
+    at high concurrency run (`scripts/measure_q8_rows.py`)."""
+    from ..kernels import _cpu_flags
+
+    return INT8_MAX_ROWS if "amx_bf16" in _cpu_flags() else 4096
+
+
+Q8DOT_MAX_ROWS = _q8dot_max_rows()
+
+
 def int8_matmul_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
@@ -105,7 +121,7 @@ def fused_linear(owner: nn.Module, parts: tuple[nn.Linear, ...], x: torch.Tensor
     matmul dtype, the product runs on a cached copy of the weights in that dtype (activations cast in and the
     result cast back, the bias added in x's dtype); int8 means int8 weights with per-channel scales and bf16
     activations for up to INT8_MAX_ROWS rows, and the owner's `matmul_fallback` dtype beyond. Where our integer
-    kernels run (AVX512-VNNI, N % 16 == 0, K % 32 == 0) int8 is theirs instead: weights in blocks of 32 with an
+    kernels run (AVX512-VNNI, N % 16 == 0, K % 32 == 0; up to Q8DOT_MAX_ROWS rows) int8 is theirs instead: weights in blocks of 32 with an
     fp16 scale each, activations quantized per row and block of 32, exact integer dot products (measured on
     the SmolLM2 DSpark drafter's 7-row matmuls: ~4x faster than `_weight_int8pack_mm`, which dequantizes
     every weight for every few rows)."""
@@ -113,7 +129,7 @@ def fused_linear(owner: nn.Module, parts: tuple[nn.Linear, ...], x: torch.Tensor
     if dtype == torch.int8:
         k = x.shape[-1]
         rows = x.numel() // k
-        if rows <= INT8_MAX_ROWS and owner.__dict__.get("matmul_q8dot") \
+        if rows <= Q8DOT_MAX_ROWS and owner.__dict__.get("matmul_q8dot") \
                 and sum(p.out_features for p in parts) % 16 == 0 and k % 32 == 0:
             packed, bias = _fused_weight(owner, parts, "q8dot")
             n = packed.shape[0] * 16

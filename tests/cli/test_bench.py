@@ -63,7 +63,7 @@ def test_profile_sps_runs_causal_and_async_and_text_output(tiny_stack, capsys):
     out = capsys.readouterr().out
     assert "causal" in out and "async" in out and "batch-1 speedup" in out
     assert "causal / best static aggregate: c=2" in out
-    assert "warning" not in out  # the quick table is used; nothing skipped
+    assert "skipped" not in out  # the quick table is used; nothing skipped (2 prompts at c = 2: flagged, not skipped)
 
 
 def test_a_dataset_gives_its_held_out_split_unless_split_all(tiny_target_dir, tmp_path):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dspark_core.benchmark import (BenchSettings, HFPeer, causal_vs_best_static, interpolate_curve,
-                                   matched_throughput_speedup, parse_int_list, parse_policies, run_benchmark,
+                                   matched_throughput_speedup, parse_int_list, parse_policies, repeated_prompt_warnings,
+                                   run_benchmark,
                                    total_requests)
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
@@ -95,6 +96,17 @@ def test_verify_lengths_follow_the_policy(result):
         elif r["policy"] == "fixed":
             assert r["mean_verify_len"] == pytest.approx(3, abs=1.0)  # the last rounds may be cut by the window
         assert 0 <= r["mean_verify_len"] <= 3
+
+
+def test_a_closed_loop_over_repeated_prompts_is_flagged(result):
+    # 6 requests at concurrency 3 from 3 prompts: copies admitted together share a prefill
+    [w] = [w for w in result["warnings"] if "distinct prompts" in w]
+    assert "concurrency 3" in w and "--num-prompts 6" in w
+    settings = BenchSettings(policies=("ar",), concurrencies=(1, 8, 32))
+    assert repeated_prompt_warnings(settings, 64) == []
+    assert "concurrency 32" in repeated_prompt_warnings(settings, 63)[0]
+    assert "concurrency 8, 32" in repeated_prompt_warnings(settings, 15)[0]
+    assert repeated_prompt_warnings(BenchSettings(policies=("ar",), concurrencies=(1,)), 1) == []
 
 
 def test_sps_policies_are_skipped_with_a_warning_without_a_table(target, drafter):

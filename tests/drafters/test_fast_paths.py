@@ -183,8 +183,11 @@ def test_int8_runs_in_our_integer_kernels_where_they_run():
     with torch.no_grad():
         got, want = lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias)
         assert torch.equal(lin(x[2:3]), got[2:3])
-        big = torch.randn(layers.INT8_MAX_ROWS + 1, 256)
+        # past the kernel's row limit for this CPU (32 with AMX, 4,096 without): the model dtype
+        big = torch.randn(layers.Q8DOT_MAX_ROWS + 1, 256)
         assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.weight, lin.bias))
+        mid = torch.randn(min(layers.Q8DOT_MAX_ROWS, 64), 256)  # within it: still ours, each row batch-invariant
+        assert torch.equal(lin(mid)[5:6], lin(mid[5:6]))
     assert not torch.equal(got, want)
     torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
     q, d = layers.quantize_q8_blocks(lin.weight)
