@@ -24,6 +24,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(its scheduler crashed); 0 = never (default 300)")
     p.add_argument("--max-per-caller", type=int, default=flags.env("MAX_PER_CALLER"),
                    help="KV slots one scheduler may hold at most (default --max-active)")
+    p.add_argument("--feature-dtype", default=flags.env("FEATURE_DTYPE", "auto"), choices=("auto", "float32", "bfloat16"),
+                   help="dtype the context features travel in to the drafters: auto = the target's; bfloat16 halves "
+                        "a float32 target's feature bytes (the drafters take them in their own precision; "
+                        "verification never reads them). Default auto")
     flags.add_sps_profile(p)
     g = p.add_argument_group("drafter beside the verifier (one process, one GPU)")
     g.add_argument("--drafter-port", type=int, default=flags.env("DRAFTER_PORT"),
@@ -57,7 +61,7 @@ def run(args) -> int:
         redis_url=args.redis_url, verifier_id=args.id, advertise_host=args.advertise_host,
         advertise_address=args.advertise_address, max_active=args.max_active,
         max_per_caller=int(args.max_per_caller) if args.max_per_caller else None,
-        idle_ttl_s=args.idle_ttl, profile_budget_s=args.sps_profile_seconds,
+        idle_ttl_s=args.idle_ttl, profile_budget_s=args.sps_profile_seconds, feature_dtype=args.feature_dtype,
         sps_file=flags.find_generated(target, SPS_FILE), tls_dir=args.tls_dir, **flags.redis_auth())
     if args.drafter_port is None:
         return flags.run_app(lambda: VerifierApp(cfg))

@@ -55,8 +55,12 @@ def _item_error(exc: Exception) -> _ItemError:
 
 class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
     def __init__(self, verifier_id: str, executor: Executor, max_active: int = 256, coalesce_wait_s: float = 0.002,
-                 max_per_caller: int | None = None, evict_idle_s: float = 10.0, wait_alone: bool = False):
+                 max_per_caller: int | None = None, evict_idle_s: float = 10.0, wait_alone: bool = False,
+                 feature_dtype: torch.dtype | None = None):
         self.verifier: Verifier | None = None
+        # the dtype the context features travel in (None: the target's own). They only feed the drafters, which
+        # take them in their own precision (int8 blocks on our CPU kernels), never the verification itself
+        self.feature_dtype = feature_dtype
         self.target: TargetRuntime | None = None
         self.verifier_id, self.executor, self.max_active = verifier_id, executor, max_active
         self.num_layers = 0
@@ -239,7 +243,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         if res.stopped:
             resp.finish_reason = types_pb2.FINISH_REASON_STOP
         logprobs_to_proto(res.logprobs, resp.logprobs)
-        features_to_proto(res.features, 0, self.num_layers, resp.context_features)
+        features_to_proto(self._wire(res.features), 0, self.num_layers, resp.context_features)
         resp.stats.CopyFrom(types_pb2.StepStats(num_requests=1, num_tokens=len(item.prompt_ids),
                                                 forward_seconds=dt, queue_seconds=queued))
         return resp
@@ -269,7 +273,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
                 r.status, r.error_message = res.status, res.message
                 continue
             stats = stats or (dt, tokens, nreq)
-            verify_result_to_proto(res, self.num_layers, r)
+            verify_result_to_proto(dataclasses.replace(res, features=self._wire(res.features)), self.num_layers, r)
         if stats:
             resp.stats.CopyFrom(types_pb2.StepStats(num_requests=stats[2], num_tokens=stats[1],
                                                     forward_seconds=stats[0], queue_seconds=queued))
@@ -294,7 +298,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         if fresh:
             logprobs_to_proto(res.logprobs, resp.logprobs)
         if fresh or request.include_context_features:
-            features_to_proto(res.features, 0, self.num_layers, resp.context_features)
+            features_to_proto(self._wire(res.features), 0, self.num_layers, resp.context_features)
         return resp
 
     async def Release(self, request, context):
@@ -311,13 +315,19 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         n = await asyncio.get_running_loop().run_in_executor(self.executor, release)
         return types_pb2.VerifierServiceReleaseResponse(num_released=n)
 
+    def _wire(self, features: torch.Tensor) -> torch.Tensor:
+        """Features as they go on the wire (--feature-dtype)."""
+        if self.feature_dtype is None or features.dtype == self.feature_dtype:
+            return features
+        return features.to(self.feature_dtype)
+
     async def GetInfo(self, request, context):
         self._ready()
         t = self.target
         resp = types_pb2.VerifierServiceGetInfoResponse(
             verifier_id=self.verifier_id, model_name=t.name, vocab_size=t.vocab_size,
             tap_layer_ids=[int(x) for x in t.config.tap_layer_ids], hidden_size=t.hidden_size,
-            max_context_length=t.max_context, feature_dtype=TORCH_TO_DTYPE[t.dtype],
+            max_context_length=t.max_context, feature_dtype=TORCH_TO_DTYPE[self.feature_dtype or t.dtype],
             eos_token_ids=list(t.eos_token_ids), max_batch_tokens=t.max_context * 16,
             max_active_requests=self.max_active)
         for b, s in self.live_sps()[0]:

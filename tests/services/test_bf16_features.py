@@ -31,3 +31,43 @@ def test_bf16_verifier_features_reach_a_float32_drafter(aio, fixtures_dir, refer
         assert len(out.token_ids) == 12 and out.summary.num_rounds > 0
     finally:
         cluster.stop(aio, s, dr, v)
+
+
+def test_a_float32_verifier_can_send_its_features_in_bf16_and_the_output_stays_the_targets(aio, fixtures_dir,
+                                                                                          reference):
+    """--feature-dtype bfloat16: the features (drafter input only) go out as bf16, from Prefill, Verify and a
+    Resume that asks for them; verification runs in float32 as before, so greedy output is the target's."""
+    import pytest
+
+    from services.verifier.server import _feature_dtype
+
+    t, d = fixtures_dir / "target", fixtures_dir / "dspark"
+    with pytest.raises(Exception, match="feature_dtype"):
+        _feature_dtype("float16")
+
+    async def make():
+        return await VerifierApp(VerifierConfig(str(t), ServerConfig(0, "127.0.0.1", 1.0), device="cpu",
+                                                dtype="float32", drafter_path=str(d),
+                                                feature_dtype="bfloat16")).start()
+
+    v = aio.run(make())
+    dr = cluster.drafter(aio, d)
+    s = cluster.scheduler(aio, verifier_addresses=(f"127.0.0.1:{v.port}",), drafter_addresses=(f"127.0.0.1:{dr.port}",))
+    try:
+        vs, ch = cluster.verifier_stub(v)
+        assert vs.GetInfo(types_pb2.VerifierServiceGetInfoRequest()).feature_dtype == types_pb2.DTYPE_BFLOAT16
+        prompt, want = reference[0]
+        resp = vs.Prefill(types_pb2.PrefillRequest(request_id="f32", prompt_token_ids=prompt))
+        feats = resp.context_features.hidden_states
+        assert feats.dtype == types_pb2.DTYPE_BFLOAT16 and len(feats.data) == 2 * len(prompt) * \
+            feats.shape[1] * feats.shape[2]
+        vr = vs.Verify(types_pb2.VerifyRequest(items=[types_pb2.VerifyItem(
+            request_id="f32", anchor_token_id=resp.anchor_token_id, anchor_position=resp.anchor_position)]))
+        assert vr.results[0].context_features.hidden_states.dtype == types_pb2.DTYPE_BFLOAT16
+        ch.close()
+        stub, ch = cluster.scheduler_stub(s)
+        out = stub.GenerateUnary(cluster.ids_request(prompt, len(want)), timeout=60)
+        ch.close()
+        assert list(out.token_ids) == want and out.summary.num_rounds > 0
+    finally:
+        cluster.stop(aio, s, dr, v)
