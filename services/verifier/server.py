@@ -27,17 +27,6 @@ log = logging.getLogger("dspark.verifier")
 SERVICE_NAME = verifier_service_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 
-FEATURE_DTYPES = ("auto", "float32", "bfloat16")
-
-
-def _feature_dtype(name: str):
-    import torch
-
-    if name not in FEATURE_DTYPES:
-        raise InvalidArgument("feature_dtype", name, f"must be one of {', '.join(FEATURE_DTYPES)}")
-    return None if name == "auto" else getattr(torch, name)
-
-
 @dataclass(frozen=True)
 class VerifierConfig:
     target: str
@@ -63,8 +52,8 @@ class VerifierConfig:
     coalesce_wait_s: float = 0.002
     # wait coalesce_wait_s before every forward even for a lone scheduler (tests that want slow rounds)
     coalesce_wait_alone: bool = False
-    # the dtype context features travel in: "auto" (the target's), "float32" or "bfloat16" (half the bytes of a
-    # float32 target's features; the drafters take them in their own precision)
+    # the dtype context features travel in: "auto" (the target's), "float32" or "bfloat16" (half a float32
+    # target's feature bytes; the drafters take them in their own precision, verification never reads them)
     feature_dtype: str = "auto"
     # a request untouched (no prefill / verify / resume) this long is released; 0 = never. A live
     # scheduler touches its requests every round (well under a second), and one whose verifier forgot a
@@ -136,7 +125,7 @@ class VerifierApp(PodLifecycle):
         self._init_pod("verifier", config, SERVICE_NAME, config.verifier_id,
                        lambda pod_id, ex: VerifierServicer(pod_id, ex, config.max_active, config.coalesce_wait_s,
                                                            config.max_per_caller, wait_alone=config.coalesce_wait_alone,
-                                                           feature_dtype=_feature_dtype(config.feature_dtype)),
+                                                           feature_dtype=config.feature_dtype),
                        verifier_service_pb2_grpc.add_VerifierServiceServicer_to_server,
                        max_receive_bytes=MAX_REQUEST_BYTES)  # it sends features, never receives them
 

@@ -53,14 +53,28 @@ def _item_error(exc: Exception) -> _ItemError:
     return _ItemError(types_pb2.ITEM_STATUS_INVALID_ARGUMENT, "item failed (see the verifier log)")
 
 
+FEATURE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def wire_feature_dtype(name: str, target_dtype):
+    """The dtype context features travel in for --feature-dtype `name` and a target computing in `target_dtype`."""
+    import torch
+
+    if name not in FEATURE_DTYPES:
+        raise InvalidArgument("feature_dtype", name, f"must be one of {', '.join(FEATURE_DTYPES)}")
+    return target_dtype if name == "auto" else getattr(torch, name)
+
+
 class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
     def __init__(self, verifier_id: str, executor: Executor, max_active: int = 256, coalesce_wait_s: float = 0.002,
                  max_per_caller: int | None = None, evict_idle_s: float = 10.0, wait_alone: bool = False,
-                 feature_dtype: torch.dtype | None = None):
+                 feature_dtype: str = "auto"):
         self.verifier: Verifier | None = None
-        # the dtype the context features travel in (None: the target's own). They only feed the drafters, which
-        # take them in their own precision (int8 blocks on our CPU kernels), never the verification itself
-        self.feature_dtype = feature_dtype
+        # the dtype the context features travel in ("auto": the target's own, so a drafter pod drafts exactly what
+        # the embedded engine drafts; resolved in attach). They only feed the drafters, which take them in their
+        # own precision (int8 blocks on our CPU kernels), never the verification: bfloat16 halves a float32
+        # target's feature bytes
+        self.feature_dtype_name, self.feature_dtype = feature_dtype, None
         self.target: TargetRuntime | None = None
         self.verifier_id, self.executor, self.max_active = verifier_id, executor, max_active
         self.num_layers = 0
@@ -77,6 +91,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         """Called once the model is loaded and warm; until then every RPC is UNAVAILABLE."""
         self.verifier, self.target = verifier, target
         self.num_layers = len(target.config.tap_layer_ids)
+        self.feature_dtype = wire_feature_dtype(self.feature_dtype_name, target.dtype)
         self.sps_points = [list(p) for p in sps_points]
         metrics.ACTIVE_STATES.labels(service=_S).set(verifier.num_active)  # present (0) before any request
         if self.sps_points:

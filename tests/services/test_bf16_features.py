@@ -35,15 +35,20 @@ def test_bf16_verifier_features_reach_a_float32_drafter(aio, fixtures_dir, refer
 
 def test_a_float32_verifier_can_send_its_features_in_bf16_and_the_output_stays_the_targets(aio, fixtures_dir,
                                                                                           reference):
-    """--feature-dtype bfloat16: the features (drafter input only) go out as bf16, from Prefill, Verify and a
-    Resume that asks for them; verification runs in float32 as before, so greedy output is the target's."""
+    """--feature-dtype bfloat16 on a float32 target: the features (drafter input only) go out as bf16 from
+    Prefill and Verify; verification runs in float32 as before, so greedy output is the target's."""
     import pytest
 
-    from services.verifier.server import _feature_dtype
+    import torch
+
+    from services.verifier.servicer import wire_feature_dtype
 
     t, d = fixtures_dir / "target", fixtures_dir / "dspark"
     with pytest.raises(Exception, match="feature_dtype"):
-        _feature_dtype("float16")
+        wire_feature_dtype("float16", torch.float32)
+    assert wire_feature_dtype("auto", torch.float32) == torch.float32  # the default: the target's own
+    assert wire_feature_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert wire_feature_dtype("bfloat16", torch.float32) == torch.bfloat16
 
     async def make():
         return await VerifierApp(VerifierConfig(str(t), ServerConfig(0, "127.0.0.1", 1.0), device="cpu",
