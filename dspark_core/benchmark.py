@@ -386,7 +386,7 @@ def repeated_prompt_warnings(settings: BenchSettings, num_prompts: int) -> list[
     cs = ", ".join(str(c) for c in short)
     return [f"concurrency {cs} serves {2 * max(short)} requests from {num_prompts} distinct prompts: identical "
             f"prompts admitted together share one prefill, which favours policies that keep requests in step "
-            f"(ar); pass --num-prompts {2 * max(short)} or more for a fair comparison of policies"]
+            f"(ar); {2 * max(short)} or more prompts (--num-prompts, a larger --dataset) compare policies fairly"]
 
 
 def plan_llamacpp(settings: BenchSettings, peer: "LlamaCppPeer | None") -> tuple[list[str], list[str]]:
