@@ -9,16 +9,22 @@ from services.common.server import ServerConfig
 from services.verifier.server import VerifierApp, VerifierConfig
 
 
-def test_bf16_verifier_features_reach_a_float32_drafter(aio, fixtures_dir, reference):
+def _stack(aio, fixtures_dir, **verifier):
+    """A verifier (VerifierConfig options `verifier`), a float32 drafter and a scheduler over real sockets."""
     t, d = fixtures_dir / "target", fixtures_dir / "dspark"
 
     async def make():
         return await VerifierApp(VerifierConfig(str(t), ServerConfig(0, "127.0.0.1", 1.0), device="cpu",
-                                                dtype="bfloat16", drafter_path=str(d))).start()
+                                                drafter_path=str(d), **verifier)).start()
 
     v = aio.run(make())
     dr = cluster.drafter(aio, d)
     s = cluster.scheduler(aio, verifier_addresses=(f"127.0.0.1:{v.port}",), drafter_addresses=(f"127.0.0.1:{dr.port}",))
+    return v, dr, s
+
+
+def test_bf16_verifier_features_reach_a_float32_drafter(aio, fixtures_dir, reference):
+    v, dr, s = _stack(aio, fixtures_dir, dtype="bfloat16")
     try:
         vs, ch = cluster.verifier_stub(v)
         assert vs.GetInfo(types_pb2.VerifierServiceGetInfoRequest()).feature_dtype == types_pb2.DTYPE_BFLOAT16
@@ -43,21 +49,13 @@ def test_a_float32_verifier_can_send_its_features_in_bf16_and_the_output_stays_t
 
     from services.verifier.servicer import wire_feature_dtype
 
-    t, d = fixtures_dir / "target", fixtures_dir / "dspark"
     with pytest.raises(Exception, match="feature_dtype"):
         wire_feature_dtype("float16", torch.float32)
     assert wire_feature_dtype("auto", torch.float32) == torch.float32  # the default: the target's own
     assert wire_feature_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert wire_feature_dtype("bfloat16", torch.float32) == torch.bfloat16
 
-    async def make():
-        return await VerifierApp(VerifierConfig(str(t), ServerConfig(0, "127.0.0.1", 1.0), device="cpu",
-                                                dtype="float32", drafter_path=str(d),
-                                                feature_dtype="bfloat16")).start()
-
-    v = aio.run(make())
-    dr = cluster.drafter(aio, d)
-    s = cluster.scheduler(aio, verifier_addresses=(f"127.0.0.1:{v.port}",), drafter_addresses=(f"127.0.0.1:{dr.port}",))
+    v, dr, s = _stack(aio, fixtures_dir, dtype="float32", feature_dtype="bfloat16")
     try:
         vs, ch = cluster.verifier_stub(v)
         assert vs.GetInfo(types_pb2.VerifierServiceGetInfoRequest()).feature_dtype == types_pb2.DTYPE_BFLOAT16
