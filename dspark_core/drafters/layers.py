@@ -121,8 +121,9 @@ def fused_linear(owner: nn.Module, parts: tuple[nn.Linear, ...], x: torch.Tensor
     matmul dtype, the product runs on a cached copy of the weights in that dtype (activations cast in and the
     result cast back, the bias added in x's dtype); int8 means int8 weights with per-channel scales and bf16
     activations for up to INT8_MAX_ROWS rows, and the owner's `matmul_fallback` dtype beyond. Where our integer
-    kernels run (AVX512-VNNI, N % 16 == 0, K % 32 == 0; up to Q8DOT_MAX_ROWS rows) int8 is theirs instead: weights in blocks of 32 with an
-    fp16 scale each, activations quantized per row and block of 32, exact integer dot products (measured on
+    kernels run (AVX512-VNNI, N % 16 == 0, K % 32 == 0; up to Q8DOT_MAX_ROWS rows) int8 is theirs instead:
+    weights in blocks of 32 with an fp16 scale each, activations quantized per row and block of 32, exact
+    integer dot products (measured on
     the SmolLM2 DSpark drafter's 7-row matmuls: ~4x faster than `_weight_int8pack_mm`, which dequantizes
     every weight for every few rows)."""
     dtype = owner.__dict__.get("matmul_dtype")

@@ -24,7 +24,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(its scheduler crashed); 0 = never (default 300)")
     p.add_argument("--max-per-caller", type=int, default=flags.env("MAX_PER_CALLER"),
                    help="KV slots one scheduler may hold at most (default --max-active)")
-    p.add_argument("--feature-dtype", default=flags.env("FEATURE_DTYPE", "auto"), choices=("auto", "float32", "bfloat16"),
+    from .servicer import FEATURE_DTYPES
+
+    p.add_argument("--feature-dtype", default=flags.env("FEATURE_DTYPE", "auto"), choices=FEATURE_DTYPES,
                    help="dtype the context features travel in to the drafters: auto = the target's own (a drafter pod "
                         "then drafts exactly what the embedded engine drafts); bfloat16 halves a float32 target's "
                         "feature bytes (drafts may differ in the last bits, outputs do not: verification never reads "

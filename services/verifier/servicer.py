@@ -56,8 +56,9 @@ def _item_error(exc: Exception) -> _ItemError:
 FEATURE_DTYPES = ("auto", "float32", "bfloat16")
 
 
-def wire_feature_dtype(name: str, target_dtype):
-    """The dtype context features travel in for --feature-dtype `name` and a target computing in `target_dtype`."""
+def wire_feature_dtype(name: str, target_dtype=None):
+    """The dtype context features travel in for --feature-dtype `name` and a target computing in `target_dtype`
+    ("auto": that one; None while the target is not known)."""
     import torch
 
     if name not in FEATURE_DTYPES:
@@ -70,11 +71,11 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
                  max_per_caller: int | None = None, evict_idle_s: float = 10.0, wait_alone: bool = False,
                  feature_dtype: str = "auto"):
         self.verifier: Verifier | None = None
-        # the dtype the context features travel in ("auto": the target's own, so a drafter pod drafts exactly what
-        # the embedded engine drafts; resolved in attach). They only feed the drafters, which take them in their
-        # own precision (int8 blocks on our CPU kernels), never the verification: bfloat16 halves a float32
-        # target's feature bytes
-        self.feature_dtype_name, self.feature_dtype = feature_dtype, None
+        # the dtype the context features travel in (checked now; "auto", the target's own, is known at attach: a
+        # drafter pod then drafts exactly what the embedded engine drafts). They only feed the drafters, which take
+        # them in their own precision (int8 blocks on our CPU kernels), never the verification: bfloat16 halves a
+        # float32 target's feature bytes
+        self.feature_dtype = wire_feature_dtype(feature_dtype)
         self.target: TargetRuntime | None = None
         self.verifier_id, self.executor, self.max_active = verifier_id, executor, max_active
         self.num_layers = 0
@@ -91,7 +92,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         """Called once the model is loaded and warm; until then every RPC is UNAVAILABLE."""
         self.verifier, self.target = verifier, target
         self.num_layers = len(target.config.tap_layer_ids)
-        self.feature_dtype = wire_feature_dtype(self.feature_dtype_name, target.dtype)
+        self.feature_dtype = self.feature_dtype or target.dtype
         self.sps_points = [list(p) for p in sps_points]
         metrics.ACTIVE_STATES.labels(service=_S).set(verifier.num_active)  # present (0) before any request
         if self.sps_points:
@@ -331,9 +332,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         return types_pb2.VerifierServiceReleaseResponse(num_released=n)
 
     def _wire(self, features: torch.Tensor) -> torch.Tensor:
-        """Features as they go on the wire (--feature-dtype)."""
-        if self.feature_dtype is None or features.dtype == self.feature_dtype:
-            return features
+        """Features as they go on the wire (--feature-dtype; a no-op in the target's own dtype)."""
         return features.to(self.feature_dtype)
 
     async def GetInfo(self, request, context):
@@ -342,7 +341,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         resp = types_pb2.VerifierServiceGetInfoResponse(
             verifier_id=self.verifier_id, model_name=t.name, vocab_size=t.vocab_size,
             tap_layer_ids=[int(x) for x in t.config.tap_layer_ids], hidden_size=t.hidden_size,
-            max_context_length=t.max_context, feature_dtype=TORCH_TO_DTYPE[self.feature_dtype or t.dtype],
+            max_context_length=t.max_context, feature_dtype=TORCH_TO_DTYPE[self.feature_dtype],
             eos_token_ids=list(t.eos_token_ids), max_batch_tokens=t.max_context * 16,
             max_active_requests=self.max_active)
         for b, s in self.live_sps()[0]:

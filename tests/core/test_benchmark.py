@@ -8,8 +8,7 @@ import torch
 
 from dspark_core.benchmark import (BenchSettings, HFPeer, causal_vs_best_static, interpolate_curve,
                                    matched_throughput_speedup, parse_int_list, parse_policies, repeated_prompt_warnings,
-                                   run_benchmark,
-                                   total_requests)
+                                   run_benchmark, total_requests)
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import SamplingParams

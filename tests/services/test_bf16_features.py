@@ -54,6 +54,7 @@ def test_a_float32_verifier_can_send_its_features_in_bf16_and_the_output_stays_t
     assert wire_feature_dtype("auto", torch.float32) == torch.float32  # the default: the target's own
     assert wire_feature_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert wire_feature_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert wire_feature_dtype("auto") is None  # the target's, once it is known
 
     v, dr, s = _stack(aio, fixtures_dir, dtype="float32", feature_dtype="bfloat16")
     try:
