@@ -27,7 +27,7 @@ from dspark_core.drafters.backbone import ParallelBackbone
 from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_coupling, draw_uniforms,
                                       validate_items)
 from dspark_core.drafters.config import ARCH_DSPARK, DrafterConfig
-from dspark_core.drafters.heads import ConfidenceHead, build_markov_head
+from dspark_core.drafters.heads import ConfidenceHead, build_markov_head, greedy_markov_kernel
 from dspark_core.drafters.kv_cache import KVCache
 from dspark_core.drafters.sampling import TokenChooser
 from dspark_core.errors import InvalidArgument
@@ -185,6 +185,16 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         if temperatures is None:
             temperatures = torch.zeros(b, device=hidden.device)
         markov, conf_head = self.markov_head, self.confidence_head
+        if uniforms is None and teacher_prev is None and coupling is None and not any(processing or ()):
+            fast = greedy_markov_kernel(markov, base_logits)
+            if fast is not None:  # every row greedy: the sequential loop in one call (bitwise this loop's)
+                logits, tokens, prevs = fast(base_logits, anchors, self.draft_vocab_ids)
+                conf = greedy_conf = None
+                if conf_head is not None:
+                    conf, greedy_conf = conf_head.both(hidden, markov.embed(prevs))
+                return BlockDraft(hidden=hidden, base_logits=base_logits, logits=logits, tokens=tokens,
+                                  prev_tokens=prevs, confidence_logits=conf, support_ids=None, support_probs=None,
+                                  greedy_confidence_logits=greedy_conf)
         state = markov.start(hidden[:, 0]) if markov is not None else None
         prev = anchors  # [B]
         logits_out, tokens, prevs, prev_embs, sup_ids, sup_probs = [], [], [], [], [], []

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dspark_core.drafters.config import DrafterConfig
-from dspark_core.drafters.layers import Linear, _inference, fused_linear
+from dspark_core.drafters.layers import Q8DOT_MAX_ROWS, Linear, _fused_weight, _inference, fused_linear
 
 
 class VanillaMarkovHead(nn.Module):
@@ -52,6 +52,33 @@ class VanillaMarkovHead(nn.Module):
 
     def _pre_w2(self, hidden: torch.Tensor, prev_embs: torch.Tensor) -> torch.Tensor:
         return prev_embs
+
+
+def greedy_markov_kernel(markov: nn.Module | None, base_logits: torch.Tensor):
+    """Our CPU kernel for the greedy slot loop of a vanilla Markov head at inference (dspark_core.kernels
+    markov.cpp: `fn(base_logits, anchors, id_map) -> (logits, tokens, prev_tokens)`, bitwise the Python loop),
+    or None where it does not apply (another head, training, W2 not in our int8 kernel, another device)."""
+    if type(markov) is not VanillaMarkovHead or markov.training or torch.is_grad_enabled():
+        return None
+    w2, w1 = markov.markov_w2, markov.markov_w1.weight
+    if not (w2.__dict__.get("matmul_dtype") == torch.int8 and w2.__dict__.get("matmul_q8dot")) \
+            or base_logits.dtype != torch.float32 or base_logits.device.type != "cpu" or w1.dtype != torch.float32 \
+            or base_logits.shape[0] > Q8DOT_MAX_ROWS:
+        return None
+    from ..kernels import q8dot_unavailable
+
+    if q8dot_unavailable() is not None:
+        return None
+    packed, _ = _fused_weight(w2, (w2,), "q8dot")
+    n = packed.shape[0] * 16
+
+    def run(logits: torch.Tensor, anchors: torch.Tensor, id_map: torch.Tensor | None):
+        ids = id_map if id_map is not None else torch.empty(0, dtype=torch.long)
+        out, tokens, prevs = torch.ops.dspark_cpu.markov_greedy.default(
+            logits.contiguous(), w1.contiguous(), packed, n, anchors.long(), ids)
+        return out, tokens, prevs
+
+    return run
 
 
 class GatedMarkovHead(VanillaMarkovHead):

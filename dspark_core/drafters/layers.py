@@ -30,6 +30,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if _glue_rms_norm(x):
+                # inference on the CPU: our kernel, one call (F.rms_norm is ~20 us of small ops on a drafter
+                # block's 7 x 576; a batch-1 round makes ~8 of them); a row's result independent of the batch
+                rows = x.reshape(-1, x.shape[-1]).contiguous()
+                return torch.ops.dspark_cpu.rms_norm.default(rows, self.weight, self.eps).view(x.shape)
             # one fused op, bitwise the reference below for float32 (tests/drafters/test_fast_paths.py)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.reference(x)
@@ -38,6 +43,25 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def _glue_rms_norm(x: torch.Tensor) -> bool:
+    """Whether an inference RMSNorm of `x` (float32) runs in our CPU kernel (dspark_core.kernels.glue)."""
+    if torch.is_grad_enabled() or x.device.type != "cpu" or x.shape[-1] % 16 or not x.numel():
+        return False
+    from ..kernels import q8dot_unavailable
+
+    return q8dot_unavailable() is None
+
+
+def _row_attention_kernel(attn: nn.Module, q: torch.Tensor) -> bool:
+    """Whether an inference attention over all keys runs in our CPU kernel."""
+    if not _inference(attn) or q.device.type != "cpu" or q.dtype != torch.float32 or attn.head_dim % 16 \
+            or attn.head_dim > 256 or not q.numel():
+        return False
+    from ..kernels import q8dot_unavailable
+
+    return q8dot_unavailable() is None
 
 
 def _fused_weight(module: nn.Module, parts: tuple[nn.Linear, ...], dtype: torch.dtype | None = None
@@ -137,7 +161,7 @@ def fused_linear(owner: nn.Module, parts: tuple[nn.Linear, ...], x: torch.Tensor
             out = torch.ops.dspark_cpu.q8_mm.default(x.reshape(rows, k).float().contiguous(), packed, n)
             out = out.to(x.dtype).reshape(*x.shape[:-1], n)
             return out if bias is None else out + bias
-        if rows <= INT8_MAX_ROWS:
+        if rows <= INT8_MAX_ROWS and not owner.__dict__.get("matmul_q8dot_only"):
             (q, scales), bias = _fused_weight(owner, parts, torch.int8)
             out = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, k).to(torch.bfloat16), q, scales)
             out = out.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
@@ -191,7 +215,7 @@ def set_matmul_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
     MIN_LOW_PRECISION_REDUCTION. int8: every layer with that reduction and MIN_INT8_WEIGHTS weights, for batches
     up to INT8_MAX_ROWS rows; larger batches fall back to bf16 where bf16 would apply, else the model dtype."""
     for module in model.modules():
-        for name in ("matmul_dtype", "matmul_fallback", "matmul_q8dot", "_fused_cache"):
+        for name in ("matmul_dtype", "matmul_fallback", "matmul_q8dot", "matmul_q8dot_only", "_fused_cache"):
             module.__dict__.pop(name, None)
         linears = [module] if isinstance(module, nn.Linear) else \
             [c for c in module.children() if isinstance(c, nn.Linear)]
@@ -200,11 +224,17 @@ def set_matmul_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
         weights = sum(l.weight.numel() for l in linears)
         wide = min(l.in_features for l in linears) >= MIN_LOW_PRECISION_REDUCTION
         big = wide and weights >= MIN_LOW_PRECISION_WEIGHTS
-        if dtype == torch.int8 and wide and weights >= MIN_INT8_WEIGHTS:
+        # our kernel: every layer (of a module: every fused group, which shares its reduction) whose shape it
+        # takes, the short reductions too (a rank-64 Markov W2 of 8,192 ids, one row: 88 us in float32, 14 in
+        # ours); PyTorch's int8 kernel only for the wide ones (its fixed cost dominates a short reduction)
+        q8 = weights >= MIN_INT8_WEIGHTS and all(l.weight.device.type == "cpu" for l in linears) \
+            and all(q8dot_fits(l.out_features, l.in_features) for l in linears)
+        if dtype == torch.int8 and (q8 or (wide and weights >= MIN_INT8_WEIGHTS)):
             module.matmul_dtype = torch.int8
-            n, k = sum(l.out_features for l in linears), linears[0].in_features
-            if all(l.weight.device.type == "cpu" and l.in_features == k for l in linears) and q8dot_fits(n, k):
+            if q8:
                 module.matmul_q8dot = True
+                if not wide:
+                    module.matmul_q8dot_only = True
             if big:
                 module.matmul_fallback = torch.bfloat16
         elif big:
@@ -304,6 +334,13 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, heads, nq, d], k/v [B, kv_heads, nk, d], mask [B, 1, nq, nk] bool or None -> [B, nq, H]."""
         groups = self.num_heads // self.num_kv_heads
+        if mask is None and _row_attention_kernel(self, q):
+            # every query row sees every key (one request's block, or one anchor): our kernel, one call (the
+            # target's row-by-row attention, dspark_core.kernels.attention), ~2x SDPA's cost at 7 rows here
+            lengths = torch.full(q.shape[:1] + q.shape[2:3], k.shape[2], dtype=torch.long)
+            out = torch.ops.dspark_cpu.row_attention.default(q, k, v, lengths, self.scale)
+            b, _, nq, _ = out.shape
+            return self.o_proj(out.transpose(1, 2).reshape(b, nq, self.num_heads * self.head_dim))
         if groups > 1 and _inference(self):  # SDPA maps kv head i to query heads i*groups .. (i+1)*groups-1
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
             b, _, nq, _ = out.shape

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 _log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(f) for f in ("q8dot.cpp", "attention.cpp", "glue.cpp")]
+_SOURCES = [Path(__file__).with_name(f) for f in ("q8dot.cpp", "attention.cpp", "glue.cpp", "markov.cpp")]
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _state: dict[str, object] = {}
 BLOCK = 32

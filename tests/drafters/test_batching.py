@@ -91,7 +91,12 @@ def test_eagle3_sampled_tokens_are_fed_back(drafter, reference):
     out = d.draft(items)
     replay = d.chain([it.state for it in items], torch.tensor([it.anchor_pos for it in items]),
                      teacher_tokens=out.tokens[:, :-1])
-    torch.testing.assert_close(replay.logits, out.logits, atol=1e-6, rtol=0)
+    # float rounding only (the two passes may attend through different kernels: our CPU kernel where a row
+    # sees every key, SDPA with a mask elsewhere); a token not fed back moves logits by orders more
+    torch.testing.assert_close(replay.logits, out.logits, atol=2e-5, rtol=0)
+    other = d.chain([it.state for it in items], torch.tensor([it.anchor_pos for it in items]),
+                    teacher_tokens=(out.tokens[:, :-1] + 1) % d.config.vocab_size)
+    assert (other.logits[:, 1:] - out.logits[:, 1:]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("name", ["dspark", "eagle3"])

@@ -4,11 +4,14 @@ or training)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dspark_core.drafters import ProposeItem, load_drafter
 from dspark_core.drafters import layers
+from dspark_core.drafters.config import DrafterConfig
 from dspark_core.drafters.checkpoint import cpu_has_native_bf16, resolve_matmul_dtype
 from dspark_core.drafters.kv_cache import KVCache, pad_caches
 from dspark_core.drafters.layers import RopeTable, matmul_dtype_name, rope_cos_sin, set_matmul_dtype
@@ -162,7 +165,21 @@ def test_int8_choice_by_layer_size():
     for m in (lm, narrow, tiny):
         set_matmul_dtype(m, torch.int8)
     assert (lm.__dict__.get("matmul_dtype"), lm.__dict__.get("matmul_fallback")) == (torch.int8, torch.bfloat16)
-    assert narrow.__dict__.get("matmul_dtype") is None and tiny.__dict__.get("matmul_dtype") is None
+    assert tiny.__dict__.get("matmul_dtype") is None
+    from dspark_core.kernels import q8dot_unavailable
+
+    if q8dot_unavailable() is None:  # our kernel takes the short reduction too, and only it (no PyTorch int8)
+        assert narrow.__dict__.get("matmul_dtype") == torch.int8 and narrow.__dict__.get("matmul_q8dot_only")
+        assert narrow.__dict__.get("matmul_fallback") is None
+        narrow.eval()
+        x = torch.randn(3, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(narrow(x), torch.nn.functional.linear(x, narrow.weight, narrow.bias),
+                                       atol=0.02, rtol=0.02)
+            assert torch.equal(narrow(x[1:2]), narrow(x)[1:2])  # ours: rows batch-invariant (MKL's are not)
+            assert not torch.equal(narrow(x), torch.nn.functional.linear(x, narrow.weight, narrow.bias))
+    else:
+        assert narrow.__dict__.get("matmul_dtype") is None
     assert matmul_dtype_name(lm) == "int8" and matmul_dtype_name(tiny) == "float32"
     set_matmul_dtype(lm, None)
     assert lm.__dict__.get("matmul_dtype") is None and lm.__dict__.get("matmul_fallback") is None
@@ -192,3 +209,102 @@ def test_int8_runs_in_our_integer_kernels_where_they_run():
     torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
     q, d = layers.quantize_q8_blocks(lin.weight)
     assert q.abs().max() == 127 and d.shape == (320, 8) and torch.equal(d, d.half().float())
+
+
+def _layer_config(hidden: int, inter: int) -> DrafterConfig:
+    return DrafterConfig(architecture="Qwen3DSparkModel", vocab_size=256, hidden_size=hidden, intermediate_size=inter,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
+                         target_layer_ids=(0,), block_size=4, mask_token_id=0)
+
+
+def _kernels_or_skip():
+    from dspark_core.kernels import q8dot_unavailable
+
+    if q8dot_unavailable() is not None:
+        pytest.skip(f"CPU kernels: {q8dot_unavailable()}")
+
+
+def test_a_decoder_layer_in_int8_runs_every_matmul_in_our_kernel(monkeypatch):
+    """The MLP's children have two reductions (gate / up: hidden, down: intermediate); the fused gate / up
+    still runs in our kernel (it once fell to PyTorch's int8 kernel, ~6x slower at 7 rows, because the
+    module-level check wanted one reduction for all three)."""
+    _kernels_or_skip()
+    layer = layers.DecoderLayer(_layer_config(256, 512)).eval().requires_grad_(False)
+    set_matmul_dtype(layer, torch.int8)
+    assert layer.mlp.__dict__.get("matmul_q8dot")
+    calls = []
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a))
+    x = torch.randn(1, 5, 256)
+    with torch.no_grad():
+        got = layer.mlp(x)
+    assert not calls
+    want = layer.mlp.down_proj(torch.nn.functional.silu(x @ layer.mlp.gate_proj.weight.T) * (x @ layer.mlp.up_proj.weight.T))
+    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0)
+
+
+def test_inference_norms_and_full_attention_run_in_our_kernels_close_to_the_reference():
+    _kernels_or_skip()
+    torch.manual_seed(0)
+    norm = layers.RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    x = torch.randn(2, 7, 64) * 3
+    with torch.no_grad():
+        got = norm(x)
+        assert torch.equal(norm(x[1:]), got[1:])  # a row's result does not depend on its batch
+    torch.testing.assert_close(got, norm.reference(x), atol=1e-5, rtol=1e-5)
+    assert torch.equal(norm(x), norm.reference(x))  # with gradients (training): bitwise the reference
+    attn = layers.DecoderLayer(_layer_config(64, 128)).eval().requires_grad_(False).self_attn
+    q, k, v = torch.randn(2, 4, 7, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+    with torch.no_grad():
+        got = attn.attend(q, k, v, None)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                               scale=attn.scale)
+        want = attn.o_proj(ref.transpose(1, 2).reshape(2, 7, 64))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_greedy_markov_kernel_gives_the_python_loops_drafts_bit_for_bit(monkeypatch):
+    """Greedy rows of a vanilla Markov head with W2 in our int8 kernel: the slot loop runs in one C++ call
+    (dspark_core/kernels/markov.cpp); its logits, tokens, previous tokens and confidences equal the loop's."""
+    _kernels_or_skip()
+    from pathlib import Path
+
+    from dspark_core.drafters import heads
+
+    d = load_drafter(Path(__file__).resolve().parents[2] / "models" / "dspark", matmul_dtype="int8")
+    assert d.markov_head.markov_w2.__dict__.get("matmul_q8dot"), "the shipped tiny drafter's W2 should be int8 here"
+    torch.manual_seed(0)
+
+    def items():
+        out = []
+        for n in (5, 9, 12):
+            feats = torch.randn(n, d.config.feature_size)
+            toks = torch.randint(0, d.config.vocab_size, (n,)).tolist()
+            out.append(ProposeItem(d.new_state(), feats, 0, toks, toks[-1], n, 0.0, None))
+        return out
+
+    calls = []
+    real = heads.greedy_markov_kernel
+
+    def spy(*a):
+        fn = real(*a)
+        calls.append(fn is not None)
+        return fn
+
+    monkeypatch.setattr("dspark_core.drafters.dspark.greedy_markov_kernel", spy)
+    torch.manual_seed(1)
+    fast = d.draft(items())
+    monkeypatch.setattr("dspark_core.drafters.dspark.greedy_markov_kernel", lambda *a: None)
+    torch.manual_seed(1)
+    slow = d.draft(items())
+    assert calls == [True]
+    for name in ("logits", "tokens", "prev_tokens", "confidence_logits", "greedy_confidence_logits"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    # sampled rows (and any row with processing) keep the Python loop
+    calls.clear()
+    monkeypatch.setattr("dspark_core.drafters.dspark.greedy_markov_kernel", spy)
+    sampled = items()
+    sampled[0] = dataclasses.replace(sampled[0], temperature=1.0, generator=torch.Generator().manual_seed(0))
+    d.draft(sampled)
+    assert calls == []
