@@ -185,16 +185,24 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         if temperatures is None:
             temperatures = torch.zeros(b, device=hidden.device)
         markov, conf_head = self.markov_head, self.confidence_head
-        if uniforms is None and teacher_prev is None and coupling is None and not any(processing or ()):
+        if teacher_prev is None and coupling is None and not any(processing or ()):
             fast = greedy_markov_kernel(markov, base_logits)
-            if fast is not None:  # every row greedy: the sequential loop in one call (bitwise this loop's)
-                logits, tokens, prevs = fast(base_logits, anchors, self.draft_vocab_ids)
+            if fast is not None:
+                # the sequential loop in one call: greedy rows bitwise this loop's; sampled rows drawn from the
+                # same top-k softmax by inverse CDF with the same uniforms
+                if uniforms is None:
+                    logits, tokens, prevs = fast(base_logits, anchors, self.draft_vocab_ids)
+                    sup_ids = sup_probs = None
+                else:
+                    logits, tokens, prevs, sup_ids, sup_probs = fast(
+                        base_logits, anchors, self.draft_vocab_ids, temperatures, uniforms,
+                        min(self.support_size, base_logits.shape[-1]))
                 conf = greedy_conf = None
                 if conf_head is not None:
                     conf, greedy_conf = conf_head.both(hidden, markov.embed(prevs))
                 return BlockDraft(hidden=hidden, base_logits=base_logits, logits=logits, tokens=tokens,
-                                  prev_tokens=prevs, confidence_logits=conf, support_ids=None, support_probs=None,
-                                  greedy_confidence_logits=greedy_conf)
+                                  prev_tokens=prevs, confidence_logits=conf, support_ids=sup_ids,
+                                  support_probs=sup_probs, greedy_confidence_logits=greedy_conf)
         state = markov.start(hidden[:, 0]) if markov is not None else None
         prev = anchors  # [B]
         logits_out, tokens, prevs, prev_embs, sup_ids, sup_probs = [], [], [], [], [], []

@@ -55,9 +55,11 @@ class VanillaMarkovHead(nn.Module):
 
 
 def greedy_markov_kernel(markov: nn.Module | None, base_logits: torch.Tensor):
-    """Our CPU kernel for the greedy slot loop of a vanilla Markov head at inference (dspark_core.kernels
-    markov.cpp: `fn(base_logits, anchors, id_map) -> (logits, tokens, prev_tokens)`, bitwise the Python loop),
-    or None where it does not apply (another head, training, W2 not in our int8 kernel, another device)."""
+    """Our CPU kernel for the slot loop of a vanilla Markov head at inference (dspark_core.kernels markov.cpp):
+    `fn(base_logits, anchors, id_map) -> (logits, tokens, prev_tokens)` for greedy rows (bitwise the Python
+    loop), `fn(..., temperatures, uniforms, support)` -> the same plus the support ids / probabilities for a
+    batch with sampled rows (the Python loop's TokenChooser without coupling or processing); None where it
+    does not apply (another head, training, W2 not in our int8 kernel, another device)."""
     if type(markov) is not VanillaMarkovHead or markov.training or torch.is_grad_enabled():
         return None
     w2, w1 = markov.markov_w2, markov.markov_w1.weight
@@ -72,11 +74,17 @@ def greedy_markov_kernel(markov: nn.Module | None, base_logits: torch.Tensor):
     packed, _ = _fused_weight(w2, (w2,), "q8dot")
     n = packed.shape[0] * 16
 
-    def run(logits: torch.Tensor, anchors: torch.Tensor, id_map: torch.Tensor | None):
+    def run(logits: torch.Tensor, anchors: torch.Tensor, id_map: torch.Tensor | None,
+            temperatures: torch.Tensor | None = None, uniforms: torch.Tensor | None = None, support: int = 0):
+        """Greedy rows: (logits, tokens, prev_tokens). With uniforms (sampled rows; temperatures 0 = greedy):
+        also the top-`support` support ids (target ids) and probabilities [B, gamma, support]."""
         ids = id_map if id_map is not None else torch.empty(0, dtype=torch.long)
-        out, tokens, prevs = torch.ops.dspark_cpu.markov_greedy.default(
-            logits.contiguous(), w1.contiguous(), packed, n, anchors.long(), ids)
-        return out, tokens, prevs
+        if uniforms is None:
+            return tuple(torch.ops.dspark_cpu.markov_greedy.default(
+                logits.contiguous(), w1.contiguous(), packed, n, anchors.long(), ids))
+        return tuple(torch.ops.dspark_cpu.markov_sample.default(
+            logits.contiguous(), w1.contiguous(), packed, n, anchors.long(), ids,
+            temperatures.float().contiguous(), uniforms.float().contiguous(), support))
 
     return run
 

@@ -301,10 +301,100 @@ def test_the_greedy_markov_kernel_gives_the_python_loops_drafts_bit_for_bit(monk
     for name in ("logits", "tokens", "prev_tokens", "confidence_logits", "greedy_confidence_logits"):
         a, b = getattr(fast, name), getattr(slow, name)
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
-    # sampled rows (and any row with processing) keep the Python loop
+    # a sampled row takes the sampled kernel; a coupled one (position-keyed race) keeps the Python loop
     calls.clear()
     monkeypatch.setattr("dspark_core.drafters.dspark.greedy_markov_kernel", spy)
     sampled = items()
     sampled[0] = dataclasses.replace(sampled[0], temperature=1.0, generator=torch.Generator().manual_seed(0))
     d.draft(sampled)
+    assert calls == [True]
+    calls.clear()
+    sampled = items()
+    sampled[0] = dataclasses.replace(sampled[0], temperature=1.0, coupling_seed=5)
+    d.draft(sampled)
     assert calls == []
+
+
+def _markov_op_inputs(b: int, v: int, r: int = 32, seed: int = 0):
+    from dspark_core.kernels import pack_q8
+
+    gen = torch.Generator().manual_seed(seed)
+    base = (torch.randn(1, 1, v, generator=gen) * 2).expand(b, 1, v).contiguous()
+    w1 = torch.randn(v, r, generator=gen)
+    w2 = torch.randn(v, r, generator=gen) * 0.1
+    return base, w1, w2, pack_q8(*layers.quantize_q8_blocks(w2))
+
+
+def test_the_sampled_markov_kernel_draws_from_exactly_the_support_it_reports():
+    """markov_sample: the support is the top-k of base + W2 W1[prev] (the whole vocabulary when k = V), its
+    probabilities the tempered softmax over it, and tokens drawn with the uniforms follow those probabilities;
+    greedy rows take the argmax."""
+    _kernels_or_skip()
+    n, v = 20000, 64
+    base, w1, w2, packed = _markov_op_inputs(n, v)
+    anchors = torch.full((n,), 3, dtype=torch.long)
+    temps = torch.full((n,), 0.8)
+    temps[:5] = 0.0  # greedy rows among them
+    uniforms = torch.rand(n, 1, generator=torch.Generator().manual_seed(1))
+    logits = base[0, 0] + torch.ops.dspark_cpu.q8_mm.default(w1[3:4].contiguous(), packed, v)[0]
+    for k in (16, v):
+        got, tokens, prevs, ids, probs = torch.ops.dspark_cpu.markov_sample.default(
+            base, w1, packed, v, anchors, torch.empty(0, dtype=torch.long), temps, uniforms, k)
+        assert torch.equal(got[0, 0], logits) and torch.equal(prevs, anchors[:, None])
+        top = logits.topk(k).indices
+        assert set(ids[7, 0].tolist()) == set(top.tolist())
+        want = torch.softmax(logits[ids[7, 0]] / 0.8, -1)
+        torch.testing.assert_close(probs[7, 0], want, atol=1e-6, rtol=1e-5)
+        assert torch.equal(tokens[:5, 0], logits.argmax().expand(5))
+        sampled = tokens[5:, 0]
+        q = dict(zip(ids[7, 0].tolist(), probs[7, 0].tolist()))
+        assert all(q.get(t, 0.0) > 0 for t in sampled.unique().tolist())  # never a token outside, or with q = 0
+        freq = torch.bincount(sampled, minlength=v).double() / sampled.numel()
+        dense = torch.zeros(v, dtype=torch.float64)
+        dense[ids[7, 0]] = probs[7, 0].double()
+        assert 0.5 * (freq - dense).abs().sum() < 0.02  # TV of 20k draws against the reported q
+    # a draft vocabulary: columns map to target ids, and the chosen id is the next slot's previous token
+    id_map = torch.arange(v, dtype=torch.long) * 2
+    w1_big = torch.randn(2 * v, 32)
+    _, tokens, prevs, ids, _ = torch.ops.dspark_cpu.markov_sample.default(
+        base[:4].repeat(1, 3, 1).contiguous(), w1_big, packed, v, anchors[:4], id_map, temps[:4] + 1.0,
+        torch.rand(4, 3), 8)
+    assert bool((tokens % 2 == 0).all()) and torch.equal(prevs[:, 1:], tokens[:, :-1]) and bool((ids % 2 == 0).all())
+    with pytest.raises(RuntimeError, match="support must be in"):
+        torch.ops.dspark_cpu.markov_sample.default(base[:1], w1, packed, v, anchors[:1], torch.empty(0, dtype=torch.long),
+                                                   temps[:1], uniforms[:1], v + 1)
+    with pytest.raises(RuntimeError, match="outside the Markov table"):
+        torch.ops.dspark_cpu.markov_greedy.default(base[:1], w1, packed, v, torch.tensor([v]), torch.empty(0, dtype=torch.long))
+
+
+def test_a_sampled_draft_through_the_kernel_reports_the_python_loops_distribution(monkeypatch):
+    """The SmolLM2-sized path (a draft vocabulary, top-k < V) on the shipped tiny drafter with a smaller
+    support: the kernel's support is the Python loop's as a set, with the same probabilities."""
+    _kernels_or_skip()
+    from pathlib import Path
+
+    d = load_drafter(Path(__file__).resolve().parents[2] / "models" / "dspark", matmul_dtype="int8")
+    d.support_size = 256
+    torch.manual_seed(0)
+
+    def items():
+        out = []
+        for j, n in enumerate((5, 9)):
+            feats = torch.randn(n, d.config.feature_size, generator=torch.Generator().manual_seed(j))
+            toks = torch.randint(0, d.config.vocab_size, (n,), generator=torch.Generator().manual_seed(j)).tolist()
+            out.append(ProposeItem(d.new_state(), feats, 0, toks, toks[-1], n, 1.0, torch.Generator().manual_seed(j)))
+        return out
+
+    fast = d.draft(items())
+    monkeypatch.setattr("dspark_core.drafters.dspark.greedy_markov_kernel", lambda *a: None)
+    slow = d.draft(items())
+    assert fast.support_ids.shape == slow.support_ids.shape == (2, d.block_size, 256)
+    # slot 0 reads the same previous token (the anchor) in both: the same q
+    for i in range(2):
+        a = dict(zip(fast.support_ids[i, 0].tolist(), fast.support_probs[i, 0].tolist()))
+        b = dict(zip(slow.support_ids[i, 0].tolist(), slow.support_probs[i, 0].tolist()))
+        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-5
+    for i in range(2):  # every drafted token is in its slot's support with q > 0
+        for k in range(d.block_size):
+            row = dict(zip(fast.support_ids[i, k].tolist(), fast.support_probs[i, k].tolist()))
+            assert row.get(int(fast.tokens[i, k]), 0.0) > 0
