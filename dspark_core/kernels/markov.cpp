@@ -20,6 +20,22 @@
 
 torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
 
+namespace {
+
+// slot k's Markov bias W2 W1[prev_b] for every row (and prev_b recorded as the slot's previous token)
+torch::Tensor slot_bias(const std::vector<int64_t>& prev, const float* w1p, int64_t Vt, int64_t r, torch::Tensor& emb,
+                        const torch::Tensor& w2, int64_t n, int64_t* pp, int64_t gamma, int64_t k) {
+  float* ep = emb.data_ptr<float>();
+  for (size_t b = 0; b < prev.size(); ++b) {
+    TORCH_CHECK(prev[b] >= 0 && prev[b] < Vt, "token id ", prev[b], " outside the Markov table [0, ", Vt, ")");
+    std::memcpy(ep + b * r, w1p + prev[b] * r, sizeof(float) * r);
+    pp[b * gamma + k] = prev[b];
+  }
+  return q8_mm(emb, w2, n);
+}
+
+}  // namespace
+
 std::vector<torch::Tensor> markov_greedy(const torch::Tensor& base, const torch::Tensor& w1, const torch::Tensor& w2,
                                          int64_t n, const torch::Tensor& anchors, const torch::Tensor& id_map) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == torch::kFloat32 && base.is_contiguous(),
@@ -45,12 +61,7 @@ std::vector<torch::Tensor> markov_greedy(const torch::Tensor& base, const torch:
   int64_t *tp = tokens.data_ptr<int64_t>(), *pp = prevs.data_ptr<int64_t>();
   std::vector<int64_t> prev(ap, ap + B);
   for (int64_t k = 0; k < gamma; ++k) {
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(prev[b] >= 0 && prev[b] < Vt, "token id ", prev[b], " outside the Markov table [0, ", Vt, ")");
-      std::memcpy(ep + b * r, w1p + prev[b] * r, sizeof(float) * r);
-      pp[b * gamma + k] = prev[b];
-    }
-    const torch::Tensor bias = q8_mm(emb, w2, n);  // [B, V]
+    const torch::Tensor bias = slot_bias(prev, w1p, Vt, r, emb, w2, n, pp, gamma, k);  // [B, V]
     const float* biasp = bias.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
       const float* src = bp + (b * gamma + k) * V;
@@ -141,12 +152,7 @@ std::vector<torch::Tensor> markov_sample(const torch::Tensor& base, const torch:
   std::vector<int32_t> cols(K);
   std::vector<float> cdf(K);
   for (int64_t k = 0; k < gamma; ++k) {
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(prev[b] >= 0 && prev[b] < Vt, "token id ", prev[b], " outside the Markov table [0, ", Vt, ")");
-      std::memcpy(ep + b * r, w1p + prev[b] * r, sizeof(float) * r);
-      pp[b * gamma + k] = prev[b];
-    }
-    const torch::Tensor bias = q8_mm(emb, w2, n);  // [B, V]
+    const torch::Tensor bias = slot_bias(prev, w1p, Vt, r, emb, w2, n, pp, gamma, k);  // [B, V]
     const float* biasp = bias.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
       const int64_t row = b * gamma + k;
