@@ -27,7 +27,7 @@ from dspark_core.drafters.backbone import ParallelBackbone
 from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_coupling, draw_uniforms,
                                       validate_items)
 from dspark_core.drafters.config import ARCH_DSPARK, DrafterConfig
-from dspark_core.drafters.heads import ConfidenceHead, build_markov_head, greedy_markov_kernel
+from dspark_core.drafters.heads import ConfidenceHead, build_markov_head, markov_slot_kernel
 from dspark_core.drafters.kv_cache import KVCache
 from dspark_core.drafters.sampling import TokenChooser
 from dspark_core.errors import InvalidArgument
@@ -186,7 +186,7 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
             temperatures = torch.zeros(b, device=hidden.device)
         markov, conf_head = self.markov_head, self.confidence_head
         if teacher_prev is None and coupling is None and not any(processing or ()):
-            fast = greedy_markov_kernel(markov, base_logits)
+            fast = markov_slot_kernel(markov, base_logits)
             if fast is not None:
                 # the sequential loop in one call: greedy rows bitwise this loop's; sampled rows drawn from the
                 # same top-k softmax by inverse CDF with the same uniforms

@@ -54,7 +54,7 @@ class VanillaMarkovHead(nn.Module):
         return prev_embs
 
 
-def greedy_markov_kernel(markov: nn.Module | None, base_logits: torch.Tensor):
+def markov_slot_kernel(markov: nn.Module | None, base_logits: torch.Tensor):
     """Our CPU kernel for the slot loop of a vanilla Markov head at inference (dspark_core.kernels markov.cpp):
     `fn(base_logits, anchors, id_map) -> (logits, tokens, prev_tokens)` for greedy rows (bitwise the Python
     loop), `fn(..., temperatures, uniforms, support)` -> the same plus the support ids / probabilities for a
@@ -73,6 +73,7 @@ def greedy_markov_kernel(markov: nn.Module | None, base_logits: torch.Tensor):
         return None
     packed, _ = _fused_weight(w2, (w2,), "q8dot")
     n = packed.shape[0] * 16
+    w1 = w1.contiguous()
 
     def run(logits: torch.Tensor, anchors: torch.Tensor, id_map: torch.Tensor | None,
             temperatures: torch.Tensor | None = None, uniforms: torch.Tensor | None = None, support: int = 0):
@@ -81,9 +82,9 @@ def greedy_markov_kernel(markov: nn.Module | None, base_logits: torch.Tensor):
         ids = id_map if id_map is not None else torch.empty(0, dtype=torch.long)
         if uniforms is None:
             return tuple(torch.ops.dspark_cpu.markov_greedy.default(
-                logits.contiguous(), w1.contiguous(), packed, n, anchors.long(), ids))
+                logits.contiguous(), w1, packed, n, anchors.long(), ids))
         return tuple(torch.ops.dspark_cpu.markov_sample.default(
-            logits.contiguous(), w1.contiguous(), packed, n, anchors.long(), ids,
+            logits.contiguous(), w1, packed, n, anchors.long(), ids,
             temperatures.float().contiguous(), uniforms.float().contiguous(), support))
 
     return run

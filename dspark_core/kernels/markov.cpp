@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
 torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
@@ -34,22 +33,33 @@ torch::Tensor slot_bias(const std::vector<int64_t>& prev, const float* w1p, int6
   return q8_mm(emb, w2, n);
 }
 
-}  // namespace
+// the arguments both loops share, checked once: the sizes, and whether id_map maps columns to target ids
+struct Shape {
+  int64_t B, gamma, V, Vt, r;
+  bool mapped;
+};
 
-std::vector<torch::Tensor> markov_greedy(const torch::Tensor& base, const torch::Tensor& w1, const torch::Tensor& w2,
-                                         int64_t n, const torch::Tensor& anchors, const torch::Tensor& id_map) {
+Shape check_common(const torch::Tensor& base, const torch::Tensor& w1, int64_t n, const torch::Tensor& anchors,
+                   const torch::Tensor& id_map) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == torch::kFloat32 && base.is_contiguous(),
               "base must be a contiguous float32 [B, gamma, V] tensor");
   TORCH_CHECK(w1.dim() == 2 && w1.scalar_type() == torch::kFloat32 && w1.is_contiguous(),
               "w1 must be a contiguous float32 [Vt, r] tensor");
-  const int64_t B = base.size(0), gamma = base.size(1), V = base.size(2), Vt = w1.size(0), r = w1.size(1);
-  TORCH_CHECK(n == V, "w2 has ", n, " outputs, the logits ", V);
-  TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == B && anchors.scalar_type() == torch::kInt64,
-              "anchors must be int64 [", B, "]");
-  const bool mapped = id_map.numel() > 0;
-  TORCH_CHECK(!mapped || (id_map.dim() == 1 && id_map.size(0) == V && id_map.scalar_type() == torch::kInt64 &&
-                          id_map.is_contiguous()),
-              "id_map must be int64 [", V, "] or empty");
+  Shape s{base.size(0), base.size(1), base.size(2), w1.size(0), w1.size(1), id_map.numel() > 0};
+  TORCH_CHECK(n == s.V, "w2 has ", n, " outputs, the logits ", s.V);
+  TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == s.B && anchors.scalar_type() == torch::kInt64,
+              "anchors must be int64 [", s.B, "]");
+  TORCH_CHECK(!s.mapped || (id_map.dim() == 1 && id_map.size(0) == s.V && id_map.scalar_type() == torch::kInt64 &&
+                            id_map.is_contiguous()),
+              "id_map must be int64 [", s.V, "] or empty");
+  return s;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> markov_greedy(const torch::Tensor& base, const torch::Tensor& w1, const torch::Tensor& w2,
+                                         int64_t n, const torch::Tensor& anchors, const torch::Tensor& id_map) {
+  const auto [B, gamma, V, Vt, r, mapped] = check_common(base, w1, n, anchors, id_map);
   auto logits = torch::empty({B, gamma, V}, torch::kFloat32);
   auto tokens = torch::empty({B, gamma}, torch::kInt64);
   auto prevs = torch::empty({B, gamma}, torch::kInt64);
@@ -57,7 +67,7 @@ std::vector<torch::Tensor> markov_greedy(const torch::Tensor& base, const torch:
   const float *bp = base.data_ptr<float>(), *w1p = w1.data_ptr<float>();
   const int64_t* ap = anchors.data_ptr<int64_t>();
   const int64_t* mp = mapped ? id_map.data_ptr<int64_t>() : nullptr;
-  float *lp = logits.data_ptr<float>(), *ep = emb.data_ptr<float>();
+  float* lp = logits.data_ptr<float>();
   int64_t *tp = tokens.data_ptr<int64_t>(), *pp = prevs.data_ptr<int64_t>();
   std::vector<int64_t> prev(ap, ap + B);
   for (int64_t k = 0; k < gamma; ++k) {
@@ -115,25 +125,14 @@ std::vector<torch::Tensor> markov_sample(const torch::Tensor& base, const torch:
                                          int64_t n, const torch::Tensor& anchors, const torch::Tensor& id_map,
                                          const torch::Tensor& temperatures, const torch::Tensor& uniforms,
                                          int64_t support) {
-  TORCH_CHECK(base.dim() == 3 && base.scalar_type() == torch::kFloat32 && base.is_contiguous(),
-              "base must be a contiguous float32 [B, gamma, V] tensor");
-  TORCH_CHECK(w1.dim() == 2 && w1.scalar_type() == torch::kFloat32 && w1.is_contiguous(),
-              "w1 must be a contiguous float32 [Vt, r] tensor");
-  const int64_t B = base.size(0), gamma = base.size(1), V = base.size(2), Vt = w1.size(0), r = w1.size(1);
-  TORCH_CHECK(n == V, "w2 has ", n, " outputs, the logits ", V);
+  const auto [B, gamma, V, Vt, r, mapped] = check_common(base, w1, n, anchors, id_map);
   TORCH_CHECK(V < (int64_t{1} << 31), "too many logit columns: ", V);
-  TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == B && anchors.scalar_type() == torch::kInt64,
-              "anchors must be int64 [", B, "]");
   TORCH_CHECK(temperatures.dim() == 1 && temperatures.size(0) == B && temperatures.scalar_type() == torch::kFloat32 &&
                   temperatures.is_contiguous(), "temperatures must be float32 [", B, "]");
   TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == gamma &&
                   uniforms.scalar_type() == torch::kFloat32 && uniforms.is_contiguous(),
               "uniforms must be float32 [", B, ", ", gamma, "]");
   TORCH_CHECK(support >= 1 && support <= V, "support must be in [1, ", V, "], got ", support);
-  const bool mapped = id_map.numel() > 0;
-  TORCH_CHECK(!mapped || (id_map.dim() == 1 && id_map.size(0) == V && id_map.scalar_type() == torch::kInt64 &&
-                          id_map.is_contiguous()),
-              "id_map must be int64 [", V, "] or empty");
   const int64_t K = support;
   auto logits = torch::empty({B, gamma, V}, torch::kFloat32);
   auto tokens = torch::empty({B, gamma}, torch::kInt64);
@@ -145,7 +144,7 @@ std::vector<torch::Tensor> markov_sample(const torch::Tensor& base, const torch:
               *up = uniforms.data_ptr<float>();
   const int64_t* ap = anchors.data_ptr<int64_t>();
   const int64_t* mp = mapped ? id_map.data_ptr<int64_t>() : nullptr;
-  float *lp = logits.data_ptr<float>(), *ep = emb.data_ptr<float>(), *qp = sup_probs.data_ptr<float>();
+  float *lp = logits.data_ptr<float>(), *qp = sup_probs.data_ptr<float>();
   int64_t *tp = tokens.data_ptr<int64_t>(), *pp = prevs.data_ptr<int64_t>(), *sp = sup_ids.data_ptr<int64_t>();
   std::vector<int64_t> prev(ap, ap + B);
   std::vector<uint64_t> keys(V), scratch(V);

@@ -263,7 +263,7 @@ def test_inference_norms_and_full_attention_run_in_our_kernels_close_to_the_refe
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-def test_the_greedy_markov_kernel_gives_the_python_loops_drafts_bit_for_bit(monkeypatch):
+def test_the_markov_slot_kernel_gives_the_python_loops_drafts_bit_for_bit(monkeypatch):
     """Greedy rows of a vanilla Markov head with W2 in our int8 kernel: the slot loop runs in one C++ call
     (dspark_core/kernels/markov.cpp); its logits, tokens, previous tokens and confidences equal the loop's."""
     _kernels_or_skip()
@@ -284,17 +284,17 @@ def test_the_greedy_markov_kernel_gives_the_python_loops_drafts_bit_for_bit(monk
         return out
 
     calls = []
-    real = heads.greedy_markov_kernel
+    real = heads.markov_slot_kernel
 
     def spy(*a):
         fn = real(*a)
         calls.append(fn is not None)
         return fn
 
-    monkeypatch.setattr("dspark_core.drafters.dspark.greedy_markov_kernel", spy)
+    monkeypatch.setattr("dspark_core.drafters.dspark.markov_slot_kernel", spy)
     torch.manual_seed(1)
     fast = d.draft(items())
-    monkeypatch.setattr("dspark_core.drafters.dspark.greedy_markov_kernel", lambda *a: None)
+    monkeypatch.setattr("dspark_core.drafters.dspark.markov_slot_kernel", lambda *a: None)
     torch.manual_seed(1)
     slow = d.draft(items())
     assert calls == [True]
@@ -303,7 +303,7 @@ def test_the_greedy_markov_kernel_gives_the_python_loops_drafts_bit_for_bit(monk
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
     # a sampled row takes the sampled kernel; a coupled one (position-keyed race) keeps the Python loop
     calls.clear()
-    monkeypatch.setattr("dspark_core.drafters.dspark.greedy_markov_kernel", spy)
+    monkeypatch.setattr("dspark_core.drafters.dspark.markov_slot_kernel", spy)
     sampled = items()
     sampled[0] = dataclasses.replace(sampled[0], temperature=1.0, generator=torch.Generator().manual_seed(0))
     d.draft(sampled)
@@ -386,7 +386,7 @@ def test_a_sampled_draft_through_the_kernel_reports_the_python_loops_distributio
         return out
 
     fast = d.draft(items())
-    monkeypatch.setattr("dspark_core.drafters.dspark.greedy_markov_kernel", lambda *a: None)
+    monkeypatch.setattr("dspark_core.drafters.dspark.markov_slot_kernel", lambda *a: None)
     slow = d.draft(items())
     assert fast.support_ids.shape == slow.support_ids.shape == (2, d.block_size, 256)
     # slot 0 reads the same previous token (the anchor) in both: the same q
