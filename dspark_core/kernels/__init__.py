@@ -1,7 +1,7 @@
 """Our own CPU kernels, compiled once per machine with the system's C++ compiler (torch.utils.cpp_extension).
 
 `q8dot`: GGUF-style block-quantized matmuls (Q4_0 / Q4_1 / Q8_0 weights) as exact integer dot products with
-AVX512-VNNI, activations quantized per row and per block of 32 to int8 the way llama.cpp does for these formats
+AVX512-VNNI (or AVX2's multiply-add pairs on CPUs without AVX512: the same integers and the same outputs), activations quantized per row and per block of 32 to int8 the way llama.cpp does for these formats
 (see q8dot.cpp). Why our own: PyTorch's int4 kernel dequantizes every weight to float for every few rows, so its
 cost grows ~1.3 ms a row on SmolLM2 past two rows (compute-bound), and a verify pass of 8 rows cost 2.4 one-row
 steps; the integer kernel loads a weight block once for 4 rows and multiplies 64 pairs per instruction
@@ -10,8 +10,9 @@ row count but ~1.6x slower at one row and quantizes activations per tensor (not 
 `torch._int_mm` re-packs the weight on every call.
 
 Built on first use into `$DSPARK_HOME/kernels` (default ~/.cache/dspark/kernels; `make setup` builds it), keyed
-by the source's hash. Used only where the CPU has AVX512-VNNI; `DSPARK_Q8DOT=0` turns it off (then `gguf`
-serves through PyTorch's int4 kernel with bf16 activations, a different rounding of the same codes).
+by the source's hash and the instruction set. Built for AVX512-VNNI where the CPU has it, else for AVX2 + FMA +
+F16C (`DSPARK_KERNEL_ISA=avx2` forces the AVX2 build, for tests); `DSPARK_Q8DOT=0` turns the kernels off (then
+`gguf` serves through PyTorch's int4 kernel with bf16 activations, a different rounding of the same codes).
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ import torch
 
 _log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(f) for f in ("q8dot.cpp", "attention.cpp", "glue.cpp", "markov.cpp")]
-_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+# the instruction sets we build for, best first: (name, the /proc/cpuinfo flags it needs, compiler flags)
+_ISAS = (
+    ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]),
+    ("avx2", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+)
 _state: dict[str, object] = {}
 BLOCK = 32
 
@@ -41,11 +47,32 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def build_dir() -> Path:
+def isa() -> tuple[str, list[str]] | str:
+    """The instruction set the kernels are built for here and its compiler flags, or why none fits."""
+    flags, forced = _cpu_flags(), os.environ.get("DSPARK_KERNEL_ISA", "")
+    names = [name for name, _, _ in _ISAS]
+    if forced and forced not in names:
+        return f"DSPARK_KERNEL_ISA={forced!r} is not one of {', '.join(names)}"
+    for name, needs, cflags in _ISAS:
+        if forced and name != forced:
+            continue
+        missing = [f for f in needs if f not in flags]
+        if not missing:
+            return name, cflags
+        if forced or name == names[-1]:
+            return f"the CPU lacks {', '.join(missing)}" + ("" if forced else f" (for {name})")
+    return "no instruction set fits"  # not reached
+
+
+def build_dir(name: str | None = None) -> Path:
+    """Where the kernels for instruction set `name` (default: this CPU's) are built."""
     home = Path(os.environ.get("DSPARK_HOME", Path.home() / ".cache" / "dspark"))
+    if name is None:
+        chosen = isa()
+        name = chosen[0] if isinstance(chosen, tuple) else "none"
     parts = _SOURCES + [Path(__file__).with_name("vec_math.h")]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + torch.__version__.encode()).hexdigest()
-    return home / "kernels" / f"cpu-{digest[:12]}"
+    return home / "kernels" / f"cpu-{name}-{digest[:12]}"
 
 
 def q8dot_unavailable() -> str | None:
@@ -56,17 +83,22 @@ def q8dot_unavailable() -> str | None:
     if os.environ.get("DSPARK_Q8DOT", "1") == "0":
         why = "turned off by DSPARK_Q8DOT=0"
     else:
-        missing = [f for f in _FLAGS if f not in _cpu_flags()]
-        if missing:
-            why = f"the CPU lacks {', '.join(missing)}"
-    if why is None:
-        why = _load()
+        chosen = isa()
+        why = chosen if isinstance(chosen, str) else _load(*chosen)
     _state["why"] = why
     return why
 
 
-def _load() -> str | None:
-    out = build_dir()
+def kernel_isa() -> str | None:
+    """The instruction set our kernels run with here ("avx512" / "avx2"), None where they do not run."""
+    if q8dot_unavailable() is not None:
+        return None
+    chosen = isa()
+    return chosen[0] if isinstance(chosen, tuple) else None
+
+
+def _load(name: str, cflags: list[str]) -> str | None:
+    out = build_dir(name)
     lib = out / "dspark_cpu.so"
     try:
         if lib.is_file() and not (out / "lock").exists():  # built, and no build in progress (torch's file baton)
@@ -79,10 +111,9 @@ def _load() -> str | None:
         if here not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
         out.mkdir(parents=True, exist_ok=True)
-        _log.warning("building the q8dot CPU kernels into %s (once per machine, ~30 s)", out)
+        _log.warning("building the q8dot CPU kernels (%s) into %s (once per machine, ~30 s)", name, out)
         load(name="dspark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(out), is_python_module=False,
-             extra_cflags=["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"],
-             verbose=False)
+             extra_cflags=["-O3", "-ffp-contract=off", *cflags], verbose=False)
         return None
     except Exception as exc:  # no compiler, no ninja, a failed build: serve through PyTorch's kernels
         _log.warning("q8dot kernels unavailable (%s): gguf weights use PyTorch's int4 kernel", exc)

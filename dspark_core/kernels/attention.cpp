@@ -8,7 +8,6 @@
 // (0: a padded row, output zeros); d % 16 == 0; grouped-query heads (h % kvh == 0).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <cmath>
 #include <vector>
 
@@ -16,10 +15,12 @@
 
 namespace {
 
+using namespace dspark_kernels;
+
 inline float dot(const float* a, const float* b, int64_t d) {
-  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-  for (int64_t e = 16; e < d; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + e), _mm512_loadu_ps(b + e), acc);
-  return _mm512_reduce_add_ps(acc);
+  f32x16 acc = mul(load(a), load(b));
+  for (int64_t e = 16; e < d; e += 16) acc = fmadd(load(a + e), load(b + e), acc);
+  return reduce_add(acc);
 }
 
 void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t len, int64_t d,
@@ -31,31 +32,47 @@ void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t
   const int64_t padded = (len + 15) / 16 * 16;
   if (static_cast<int64_t>(buf.size()) < padded) buf.resize(padded);
   float* s = buf.data();
+  // four keys at a time (independent chains for the out-of-order core), each key's dot exactly `dot`'s sequence
+  int64_t j = 0;
+  for (; j + 4 <= len; j += 4) {
+    const float *k0 = k + j * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
+    f32x16 q0 = load(q);
+    f32x16 a0 = mul(q0, load(k0)), a1 = mul(q0, load(k1)), a2 = mul(q0, load(k2)), a3 = mul(q0, load(k3));
+    for (int64_t e = 16; e < d; e += 16) {
+      const f32x16 qe = load(q + e);
+      a0 = fmadd(qe, load(k0 + e), a0);
+      a1 = fmadd(qe, load(k1 + e), a1);
+      a2 = fmadd(qe, load(k2 + e), a2);
+      a3 = fmadd(qe, load(k3 + e), a3);
+    }
+    s[j] = reduce_add(a0) * scale;
+    s[j + 1] = reduce_add(a1) * scale;
+    s[j + 2] = reduce_add(a2) * scale;
+    s[j + 3] = reduce_add(a3) * scale;
+  }
+  for (; j < len; ++j) s[j] = dot(q, k + j * ks, d) * scale;
   float m = -INFINITY;
-  for (int64_t j = 0; j < len; ++j) {
-    s[j] = dot(q, k + j * ks, d) * scale;
-    m = s[j] > m ? s[j] : m;
-  }
+  for (j = 0; j < len; ++j) m = s[j] > m ? s[j] : m;
   for (int64_t j = len; j < padded; ++j) s[j] = -INFINITY;
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 sum = _mm512_setzero_ps();
+  const f32x16 mv = set1(m);
+  f32x16 sum = zero();
   for (int64_t j = 0; j < padded; j += 16) {
-    __m512 p = dspark_kernels::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-    _mm512_storeu_ps(s + j, p);
-    sum = _mm512_add_ps(sum, p);
+    const f32x16 p = dspark_kernels::exp(sub(load(s + j), mv));
+    store(s + j, p);
+    sum = add(sum, p);
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+  const float inv = 1.0f / reduce_add(sum);
   constexpr int kMaxChunks = 16;  // d <= 256
-  __m512 acc[kMaxChunks];
+  f32x16 acc[kMaxChunks];
   const int64_t chunks = d / 16;
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = zero();
   for (int64_t j = 0; j < len; ++j) {
-    const __m512 p = _mm512_set1_ps(s[j]);
+    const f32x16 p = set1(s[j]);
     const float* vj = v + j * vs;
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * c), acc[c]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = fmadd(p, load(vj + 16 * c), acc[c]);
   }
-  const __m512 iv = _mm512_set1_ps(inv);
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], iv));
+  const f32x16 iv = set1(inv);
+  for (int64_t c = 0; c < chunks; ++c) store(out + 16 * c, mul(acc[c], iv));
 }
 
 }  // namespace

@@ -3,7 +3,6 @@
 // is computed by the same operations whatever the batch, and the RoPE product is bitwise the PyTorch formula it
 // replaces (x cos + roll(x) signed_sin, no fused multiply-add).
 #include <torch/extension.h>
-#include <immintrin.h>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -11,6 +10,8 @@
 #include "vec_math.h"
 
 namespace {
+
+using namespace dspark_kernels;
 
 void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), name,
@@ -30,15 +31,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * h;
-    __m512 acc = _mm512_setzero_ps();
+    f32x16 acc = zero();
     for (int64_t e = 0; e < h; e += 16) {
-      const __m512 v = _mm512_loadu_ps(xr + e);
-      acc = _mm512_fmadd_ps(v, v, acc);
+      const f32x16 v = load(xr + e);
+      acc = fmadd(v, v, acc);
     }
-    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + static_cast<float>(eps));
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int64_t e = 0; e < h; e += 16)
-      _mm512_storeu_ps(op + r * h + e, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + e), s), _mm512_loadu_ps(wp + e)));
+    const float scale = 1.0f / std::sqrt(reduce_add(acc) / static_cast<float>(h) + static_cast<float>(eps));
+    const f32x16 s = set1(scale);
+    for (int64_t e = 0; e < h; e += 16) store(op + r * h + e, mul(mul(load(xr + e), s), load(wp + e)));
   }
   return out;
 }
@@ -51,13 +51,13 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   auto out = torch::empty({rows, inter}, torch::kFloat32);
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const f32x16 one = set1(1.0f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gp + r * 2 * inter;
     for (int64_t e = 0; e < inter; e += 16) {
-      const __m512 gv = _mm512_loadu_ps(g + e), uv = _mm512_loadu_ps(g + inter + e);
-      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, dspark_kernels::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      _mm512_storeu_ps(op + r * inter + e, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
+      const f32x16 gv = load(g + e), uv = load(g + inter + e);
+      const f32x16 sig = div(one, add(one, dspark_kernels::exp(sub(zero(), gv))));
+      store(op + r * inter + e, mul(mul(gv, sig), uv));
     }
   }
   return out;
@@ -91,9 +91,9 @@ std::vector<torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Ten
         if (half % 16 == 0) {
           for (int64_t e = 0; e < d; e += 16) {
             const int64_t rolled = e < half ? e + half : e - half;  // roll by d / 2: out[e] uses x[e - d/2 mod d]
-            const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + e), _mm512_loadu_ps(c + e));
-            const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x + rolled), _mm512_loadu_ps(s + e));
-            _mm512_storeu_ps(out + e, _mm512_add_ps(a, b));
+            const f32x16 a = mul(load(x + e), load(c + e));
+            const f32x16 b = mul(load(x + rolled), load(s + e));
+            store(out + e, add(a, b));
           }
         } else {  // the same products and sum, one lane at a time (small heads)
           for (int64_t e = 0; e < d; ++e) {

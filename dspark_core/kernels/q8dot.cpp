@@ -1,4 +1,4 @@
-// Integer dot-product matmuls for GGUF-style block-quantized weights on x86 CPUs with AVX512-VNNI.
+// Integer dot-product matmuls for GGUF-style block-quantized weights on x86 CPUs with AVX512-VNNI, or AVX2.
 //
 // y[m, n] = sum_k x[m, k] w[n, k] with w stored in blocks of 32 inputs (Q4: 4-bit codes with a scale d and an
 // offset o per block, w = d q + o; Q8: 8-bit signed codes with a scale d, w = d q). Activations are quantized
@@ -16,6 +16,10 @@
 //       and k = 8v + 4 + j (high nibble), so one vpdpbusd covers 16 columns x 4 inputs; fp16 d [16]; fp16 o [16].
 //   Q8 (576 bytes): 8 x 64 code bytes (int8), byte 4c + j of vector v holding column c's code k = 4v + j;
 //       fp16 d [16]; int16 sum of the block's codes [16].
+// The AVX2 build (no AVX512) reads the same layout as two halves of 8 columns (bytes 0-31 and 32-63 of each
+// vector) and forms the same integer sums with vpmaddubsw / vpmaddwd, exactly (no int16 saturation: Q4 pairs
+// are <= 2 x 15 x 127 and eight of them sum below 2^15; Q8 multiplies |w| <= 128 by x sign(w), |x| <= 127), then
+// the same float32 operations lane for lane, so both builds give the same outputs bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,6 +32,12 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int kRows = 4;  // rows sharing one load of a weight block
 
+#if defined(__AVX512F__)
+constexpr bool kQ8Offset = true;  // Q8 activations as uint8 (xq + 128): vpdpbusd's unsigned operand
+#else
+constexpr bool kQ8Offset = false;  // the AVX2 Q8 product takes signed activations (sign trick)
+#endif
+
 // Quantize rows of x [M, K] per block of 32: xq int8, and per block s and s * sum(xq).
 // offset: store q + 128 as uint8 bits (the unsigned operand of vpdpbusd, for signed weights)
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* s, float* ssum, bool offset) {
@@ -35,6 +45,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* s, f
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const float* xb = x + m * K + g * kBlock;
+      int8_t* qb = xq + m * K + g * kBlock;
+#if defined(__AVX512F__)
       __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
       float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
       float scale = amax / 127.0f;
@@ -46,24 +58,40 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* s, f
         b0 = _mm_xor_si128(b0, _mm_set1_epi8(static_cast<char>(0x80)));
         b1 = _mm_xor_si128(b1, _mm_set1_epi8(static_cast<char>(0x80)));
       }
-      int8_t* qb = xq + m * K + g * kBlock;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), b0);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), b1);
       int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 a[4];
+      __m256 mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        a[i] = _mm256_loadu_ps(xb + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, a[i]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      float scale = amax / 127.0f;
+      float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
+      // saturating packs interleave the 128-bit lanes; one permute puts the 32 bytes back in order
+      __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      if (offset) b = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), b);
+      __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+      int32_t sum = _mm_cvtsi128_si32(t4);
+#endif
       s[m * G + g] = scale;
       ssum[m * G + g] = scale * static_cast<float>(sum);
     }
   }
-}
-
-inline __m512 load_half16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
 }
 
 // One matrix is one sequential stream: tile by tile (16 columns), block by block, each block's codes followed by
@@ -73,6 +101,18 @@ constexpr int64_t kQ4Bytes = 256 + 64, kQ8Bytes = 512 + 64, kAhead = 8;
 
 inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
+#if defined(__AVX512F__)
+
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
 }
 
 // Q4: rows [m0, m0 + R) x one tile of 16 columns.
@@ -134,6 +174,82 @@ inline void q8_tile(const uint8_t* tile, const int8_t* xu, const float* s, int64
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
 }
 
+#else  // AVX2: each tile as two halves of 8 columns (bytes 32 h .. 32 h + 31 of each 64-byte code vector)
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// One half (8 columns) at a time over all blocks: 8 code vectors + R accumulators stay in the 16 registers.
+template <int R>
+inline void q4_tile(const uint8_t* tile, const int8_t* xq, const float* s, const float* ssum, int64_t K, int64_t G,
+                    int64_t m0, float* y, int64_t N, int64_t n0) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* cb = tile + g * kQ4Bytes;
+      if (h == 0) prefetch(cb + kAhead * kQ4Bytes, kQ4Bytes);
+      __m256i w[8];
+      for (int v = 0; v < 4; ++v) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * v + 32 * h));
+        w[2 * v] = _mm256_and_si256(packed, mask);
+        w[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+      }
+      const __m128i* dh = reinterpret_cast<const __m128i*>(cb + 256 + 16 * h);
+      const __m128i* oh = reinterpret_cast<const __m128i*>(cb + 288 + 16 * h);
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const int8_t* xb = xq + m * K + g * kBlock;
+        // pairs of 4-bit code x int8 products, |pair| <= 3,810: eight vectors' pairs stay inside int16
+        __m256i pairs = _mm256_maddubs_epi16(w[0], bcast4(xb));
+        for (int v = 1; v < 8; ++v) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[v], bcast4(xb + 4 * v)));
+        const __m256i isum = _mm256_madd_epi16(pairs, ones);
+        const __m256 ds = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(dh)), _mm256_set1_ps(s[m * G + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ds, acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(oh)), _mm256_set1_ps(ssum[m * G + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + n0 + 8 * h, acc[r]);
+  }
+}
+
+// Q8 with signed activations: |w| (as uint8: |-128| reads as 128) times x sign(w), exact in int16 pairs.
+template <int R>
+inline void q8_tile(const uint8_t* tile, const int8_t* xq, const float* s, int64_t K, int64_t G, int64_t m0,
+                    float* y, int64_t N, int64_t n0) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* cb = tile + g * kQ8Bytes;
+      if (h == 0) prefetch(cb + kAhead * kQ8Bytes, kQ8Bytes);
+      const __m256i* wv = reinterpret_cast<const __m256i*>(cb + 32 * h);  // vector v at wv + 2 v
+      __m256i aw[8];
+      for (int v = 0; v < 8; ++v) aw[v] = _mm256_abs_epi8(_mm256_loadu_si256(wv + 2 * v));
+      const __m128i* dh = reinterpret_cast<const __m128i*>(cb + 512 + 16 * h);
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const int8_t* xb = xq + m * K + g * kBlock;
+        __m256i isum = _mm256_setzero_si256();
+        for (int v = 0; v < 8; ++v) {
+          const __m256i sx = _mm256_sign_epi8(bcast4(xb + 4 * v), _mm256_loadu_si256(wv + 2 * v));
+          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], sx), ones));
+        }
+        const __m256 ds = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(dh)), _mm256_set1_ps(s[m * G + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ds, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + n0 + 8 * h, acc[r]);
+  }
+}
+
+#endif
+
 void check(const torch::Tensor& x, const torch::Tensor& codes, int64_t n, int64_t bytes_per_block) {
   TORCH_CHECK(codes.scalar_type() == torch::kByte, "packed weights must be uint8, got ", codes.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
@@ -193,7 +309,7 @@ torch::Tensor q4_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t
 }
 
 torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
-  Product p(x, packed, n, kQ8Bytes, true);
+  Product p(x, packed, n, kQ8Bytes, kQ8Offset);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int8_t* xp = p.xq.data_ptr<int8_t>();
   const float* sp = p.s.data_ptr<float>();

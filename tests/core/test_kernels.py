@@ -94,6 +94,18 @@ def test_rms_norm_and_swiglu_are_the_formulas():
         torch.ops.dspark_cpu.rms_norm(torch.randn(2, 40), torch.randn(40), 1e-5)
 
 
+def test_the_gates_exp_holds_its_relative_accuracy_over_the_whole_float_range():
+    # silu(g) / g = sigmoid(g) = 1 / (1 + exp(-g)): exp from e^-88.6 (near the smallest normal) to e^88.6 (near
+    # the largest float, where 2^n alone would overflow in the AVX2 build's two-factor scaling)
+    g = torch.linspace(-88.6, 88.6, 8192)
+    g = g[g.abs() > 1e-3]
+    gu = torch.cat([g, torch.ones_like(g)]).reshape(1, -1)
+    out = torch.ops.dspark_cpu.silu_mul(gu)[0]
+    torch.testing.assert_close(out / g, torch.sigmoid(g), rtol=2e-6, atol=2e-45)
+    huge = torch.ops.dspark_cpu.silu_mul(torch.tensor([[-1e4, 1e4, -89.0, 89.0] + [0.0] * 12 + [1.0] * 16]))[0, :4]
+    assert torch.equal(huge, torch.tensor([-0.0, 1e4, -0.0, 89.0]))  # exp underflows to 0, overflows to inf
+
+
 @pytest.mark.parametrize("d", [64, 16])  # vector lanes, and the one-lane path of small heads
 def test_rope_split_is_bitwise_the_lean_decoders_rope(d):
     from dspark_core.fast_decoder import _rope
