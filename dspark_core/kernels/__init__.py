@@ -1,7 +1,8 @@
 """Our own CPU kernels, compiled once per machine with the system's C++ compiler (torch.utils.cpp_extension).
 
 `q8dot`: GGUF-style block-quantized matmuls (Q4_0 / Q4_1 / Q8_0 weights) as exact integer dot products with
-AVX512-VNNI (or AVX2's multiply-add pairs on CPUs without AVX512: the same integers and the same outputs), activations quantized per row and per block of 32 to int8 the way llama.cpp does for these formats
+AVX512-VNNI (or AVX2's multiply-add pairs on CPUs without AVX512: the same integers and the same outputs),
+activations quantized per row and per block of 32 to int8 the way llama.cpp does for these formats
 (see q8dot.cpp). Why our own: PyTorch's int4 kernel dequantizes every weight to float for every few rows, so its
 cost grows ~1.3 ms a row on SmolLM2 past two rows (compute-bound), and a verify pass of 8 rows cost 2.4 one-row
 steps; the integer kernel loads a weight block once for 4 rows and multiplies 64 pairs per instruction
@@ -50,26 +51,19 @@ def _cpu_flags() -> set[str]:
 def isa() -> tuple[str, list[str]] | str:
     """The instruction set the kernels are built for here and its compiler flags, or why none fits."""
     flags, forced = _cpu_flags(), os.environ.get("DSPARK_KERNEL_ISA", "")
-    names = [name for name, _, _ in _ISAS]
-    if forced and forced not in names:
-        return f"DSPARK_KERNEL_ISA={forced!r} is not one of {', '.join(names)}"
-    for name, needs, cflags in _ISAS:
-        if forced and name != forced:
-            continue
+    candidates = [entry for entry in _ISAS if not forced or entry[0] == forced]
+    if not candidates:
+        return f"DSPARK_KERNEL_ISA={forced!r} is not one of {', '.join(name for name, _, _ in _ISAS)}"
+    for name, needs, cflags in candidates:
         missing = [f for f in needs if f not in flags]
         if not missing:
             return name, cflags
-        if forced or name == names[-1]:
-            return f"the CPU lacks {', '.join(missing)}" + ("" if forced else f" (for {name})")
-    return "no instruction set fits"  # not reached
+    return f"the CPU lacks {', '.join(missing)} (for {name})"
 
 
-def build_dir(name: str | None = None) -> Path:
-    """Where the kernels for instruction set `name` (default: this CPU's) are built."""
+def build_dir(name: str) -> Path:
+    """Where the kernels for instruction set `name` are built."""
     home = Path(os.environ.get("DSPARK_HOME", Path.home() / ".cache" / "dspark"))
-    if name is None:
-        chosen = isa()
-        name = chosen[0] if isinstance(chosen, tuple) else "none"
     parts = _SOURCES + [Path(__file__).with_name("vec_math.h")]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + torch.__version__.encode()).hexdigest()
     return home / "kernels" / f"cpu-{name}-{digest[:12]}"
@@ -85,16 +79,15 @@ def q8dot_unavailable() -> str | None:
     else:
         chosen = isa()
         why = chosen if isinstance(chosen, str) else _load(*chosen)
+        if why is None:
+            _state["isa"] = chosen[0]
     _state["why"] = why
     return why
 
 
 def kernel_isa() -> str | None:
     """The instruction set our kernels run with here ("avx512" / "avx2"), None where they do not run."""
-    if q8dot_unavailable() is not None:
-        return None
-    chosen = isa()
-    return chosen[0] if isinstance(chosen, tuple) else None
+    return _state.get("isa") if q8dot_unavailable() is None else None  # type: ignore[return-value]
 
 
 def _load(name: str, cflags: list[str]) -> str | None:

@@ -3,4 +3,4 @@
 from . import build_dir, kernel_isa, q8dot_unavailable
 
 why = q8dot_unavailable()
-print(f"q8dot kernels: {f'ready ({kernel_isa()}) in ' + str(build_dir()) if why is None else 'not used (' + why + ')'}")
+print(f"q8dot kernels: {f'ready ({kernel_isa()}) in ' + str(build_dir(kernel_isa())) if why is None else 'not used (' + why + ')'}")

@@ -237,6 +237,7 @@ inline void q8_tile(const uint8_t* tile, const int8_t* xq, const float* s, int64
         const int8_t* xb = xq + m * K + g * kBlock;
         __m256i isum = _mm256_setzero_si256();
         for (int v = 0; v < 8; ++v) {
+          // w reloaded from L1 rather than kept: 8 |w| vectors + R accumulators already fill the registers
           const __m256i sx = _mm256_sign_epi8(bcast4(xb + 4 * v), _mm256_loadu_si256(wv + 2 * v));
           isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], sx), ones));
         }
