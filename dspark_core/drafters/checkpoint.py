@@ -55,14 +55,20 @@ def resolve_matmul_dtype(name: str, device: torch.device, dtype: torch.dtype) ->
 
     `auto`: for a float32 drafter on a CPU with native bf16, int8 weights with bf16 activations for decode-sized
     batches (bf16 weights for the big layers beyond): the drafter's weights are cold after every target forward,
-    so its round is weight traffic, and drafts only move acceptance, never what the target commits. Otherwise
-    the drafter's dtype. `float32` keeps every matmul exact (DeepSpec's numbers to the last bit); `bfloat16`
-    and `int8` force those paths."""
+    so its round is weight traffic, and drafts only move acceptance, never what the target commits. On a CPU
+    without native bf16 where our integer kernels run (AVX2), int8 in those kernels alone (`set_matmul_dtype`
+    with `native_bf16=False`). Otherwise the drafter's dtype. `float32` keeps every matmul exact (DeepSpec's
+    numbers to the last bit); `bfloat16` and `int8` force those paths."""
     if name not in MATMUL_DTYPES:
         raise InvalidArgument("drafter_matmul_dtype", name, f"must be one of {', '.join(MATMUL_DTYPES)}")
     if name == "auto":
-        fast = torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_has_native_bf16()
-        return (torch.int8 if int8_matmul_available() else torch.bfloat16) if fast else None
+        if torch.device(device).type != "cpu" or dtype != torch.float32:
+            return None
+        if cpu_has_native_bf16():
+            return torch.int8 if int8_matmul_available() else torch.bfloat16
+        from ..kernels import q8dot_unavailable
+
+        return torch.int8 if q8dot_unavailable() is None else None
     if name == "int8":
         if not int8_matmul_available():
             raise InvalidArgument("drafter_matmul_dtype", name, "needs torch.ops.aten._weight_int8pack_mm")
@@ -192,7 +198,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
     state = {k: (v.to(device=device, dtype=torch.long) if k in _INTEGER_TENSORS else v.to(device=device, dtype=dtype))
              for k, v in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    set_matmul_dtype(model, low)
+    set_matmul_dtype(model, low, native_bf16=torch.device(device).type != "cpu" or cpu_has_native_bf16())
     return model.requires_grad_(False).eval()  # serving: frozen; a trainer re-enables what it trains
 
 

@@ -206,14 +206,17 @@ def matmul_dtype_name(model: nn.Module) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def set_matmul_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
+def set_matmul_dtype(model: nn.Module, dtype: torch.dtype | None, native_bf16: bool = True) -> None:
     """Run the inference matmuls of `model`'s linear layers (the fused ones included) through weight copies in
     `dtype` (None: the model's own dtype). Drafts are proposals, not outputs: their precision moves acceptance,
     never what the target commits. Weights, state dicts and training are unchanged.
 
     bfloat16: only layers with at least MIN_LOW_PRECISION_WEIGHTS weights and a reduction of at least
     MIN_LOW_PRECISION_REDUCTION. int8: every layer with that reduction and MIN_INT8_WEIGHTS weights, for batches
-    up to INT8_MAX_ROWS rows; larger batches fall back to bf16 where bf16 would apply, else the model dtype."""
+    up to INT8_MAX_ROWS rows; larger batches fall back to bf16 where bf16 would apply, else the model dtype.
+    `native_bf16=False` (a CPU that emulates bf16, e.g. AVX2 only): int8 means our integer kernels alone, which
+    quantize activations to int8 and need no bf16; the layers they do not take, and batches past their row
+    limit, stay in the model dtype (PyTorch's int8 kernel and the bf16 fallback would run bf16 in software)."""
     for module in model.modules():
         for name in ("matmul_dtype", "matmul_fallback", "matmul_q8dot", "matmul_q8dot_only", "_fused_cache"):
             module.__dict__.pop(name, None)
@@ -229,13 +232,13 @@ def set_matmul_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
         # ours); PyTorch's int8 kernel only for the wide ones (its fixed cost dominates a short reduction)
         q8 = weights >= MIN_INT8_WEIGHTS and all(l.weight.device.type == "cpu" for l in linears) \
             and all(q8dot_fits(l.out_features, l.in_features) for l in linears)
-        if dtype == torch.int8 and (q8 or (wide and weights >= MIN_INT8_WEIGHTS)):
+        if dtype == torch.int8 and (q8 or (native_bf16 and wide and weights >= MIN_INT8_WEIGHTS)):
             module.matmul_dtype = torch.int8
             if q8:
                 module.matmul_q8dot = True
-                if not wide:
+                if not (wide and native_bf16):
                     module.matmul_q8dot_only = True
-            if big:
+            if big and native_bf16:
                 module.matmul_fallback = torch.bfloat16
         elif big:
             module.matmul_dtype = torch.bfloat16 if dtype == torch.int8 else dtype

@@ -105,8 +105,9 @@ def add_matmul_dtype_arg(p, default: str = "auto") -> None:
     from dspark_core.stack import MATMUL_DTYPES
 
     p.add_argument("--drafter-matmul-dtype", default=default, choices=MATMUL_DTYPES,
-                   help="drafter matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16, else the drafter "
-                        "dtype), float32 (exact), bfloat16, int8 (default %(default)s)")
+                   help="drafter matmuls: auto (int8 / bf16 weight copies on CPUs with native bf16, int8 in our "
+                        "kernels alone on AVX2 CPUs, else the drafter dtype), float32 (exact), bfloat16, int8 "
+                        "(default %(default)s)")
     p.add_argument("--matmul-dtype", dest="drafter_matmul_dtype", choices=MATMUL_DTYPES, help=argparse.SUPPRESS)
 
 

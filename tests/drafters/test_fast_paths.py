@@ -104,10 +104,42 @@ def test_resolve_matmul_dtype():
     assert resolve_matmul_dtype("bfloat16", cpu, torch.bfloat16) is None
     assert resolve_matmul_dtype("auto", torch.device("cuda"), f32) is None  # GPUs run the drafter in bf16 anyway
     assert resolve_matmul_dtype("auto", cpu, torch.bfloat16) is None
+    from dspark_core.kernels import q8dot_unavailable
+
     fast = torch.int8 if layers.int8_matmul_available() else torch.bfloat16
-    assert resolve_matmul_dtype("auto", cpu, f32) == (fast if cpu_has_native_bf16() else None)
+    ours = torch.int8 if q8dot_unavailable() is None else None  # without native bf16: our kernels or nothing
+    assert resolve_matmul_dtype("auto", cpu, f32) == (fast if cpu_has_native_bf16() else ours)
     with pytest.raises(InvalidArgument, match="drafter_matmul_dtype.*'fp8'"):
         resolve_matmul_dtype("fp8", cpu, f32)
+
+
+def test_auto_on_a_cpu_without_native_bf16_is_our_kernels_alone(fixtures_dir, monkeypatch):
+    """An AVX2-only CPU emulates bf16: `auto` there runs the drafter's int8 in our integer kernels only (they
+    quantize activations to int8), never PyTorch's int8 kernel (bf16 activations) or a bf16 fallback."""
+    _kernels_or_skip()
+    from dspark_core.drafters import checkpoint
+
+    monkeypatch.setattr(checkpoint, "cpu_has_native_bf16", lambda: False)
+    assert resolve_matmul_dtype("auto", torch.device("cpu"), torch.float32) == torch.int8
+    monkeypatch.setattr(layers, "MIN_INT8_WEIGHTS", 1)  # the fixture drafter is tiny
+    drafter = load_drafter(fixtures_dir / "dspark")
+    taken = [m for m in drafter.modules() if m.__dict__.get("matmul_dtype") == torch.int8]
+    assert taken and matmul_dtype_name(drafter) == "int8"
+    assert all(m.__dict__.get("matmul_q8dot") and m.__dict__.get("matmul_q8dot_only") for m in taken)
+    assert not any(m.__dict__.get("matmul_fallback") or m.__dict__.get("matmul_dtype") == torch.bfloat16
+                   for m in drafter.modules())
+    calls = []
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a))
+    exact = load_drafter(fixtures_dir / "dspark", matmul_dtype="float32")
+    feats = torch.randn(8, exact.config.feature_size)
+    items = lambda st: [ProposeItem(st, feats, 0, [1] * 8, 3, 8, 0.0, None)]  # noqa: E731
+    got, want = drafter.draft(items(drafter.new_state())), exact.draft(items(exact.new_state()))
+    assert not calls and not torch.equal(got.logits, want.logits)  # it ran in ours
+    torch.testing.assert_close(got.logits, want.logits, atol=0.05 * want.logits.abs().max().item(), rtol=0)
+    # a layer our kernel cannot take (N % 16 != 0) stays in float32 rather than in PyTorch's int8
+    odd = layers.Linear(256, 300).requires_grad_(False).eval()
+    set_matmul_dtype(odd, torch.int8, native_bf16=False)
+    assert odd.__dict__.get("matmul_dtype") is None
 
 
 def test_low_precision_matmuls_are_close_and_leave_weights_alone(fixtures_dir, monkeypatch):
