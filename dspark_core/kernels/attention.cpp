@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
@@ -23,56 +24,89 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return reduce_add(acc);
 }
 
-void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t len, int64_t d,
-             float scale, float* out, std::vector<float>& buf) {
+// The G heads of one row that share a key / value head (grouped-query attention), each head exactly as it would
+// be alone: C = d / 16 when the head size is a common one (the loops unroll and q, the key dots and the output
+// accumulators stay in registers), 0 for any other d (runtime loops, G = 1). Every variant gives the same bits:
+// every key's score is `dot`'s sequence of operations and its reduce_add tree (sixteen keys reduce at once in
+// reduce_add16, which sums each lane by that same tree), and each head's softmax and weighted sum of the values
+// run in key order. The heads share only the loads (and the out-of-order core overlaps their chains).
+template <int C, int G>
+void one_group(const float* q, int64_t qs, const float* k, int64_t ks, const float* v, int64_t vs, int64_t len,
+               int64_t d, float scale, float* out, int64_t os, std::vector<float>& buf) {
+  const int64_t chunks = C > 0 ? C : d / 16;
   if (len <= 0) {
-    for (int64_t e = 0; e < d; ++e) out[e] = 0.0f;
+    for (int g = 0; g < G; ++g)
+      for (int64_t e = 0; e < d; ++e) out[g * os + e] = 0.0f;
     return;
   }
   const int64_t padded = (len + 15) / 16 * 16;
-  if (static_cast<int64_t>(buf.size()) < padded) buf.resize(padded);
-  float* s = buf.data();
-  // four keys at a time (independent chains for the out-of-order core), each key's dot exactly `dot`'s sequence
-  int64_t j = 0;
-  for (; j + 4 <= len; j += 4) {
-    const float *k0 = k + j * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
-    f32x16 q0 = load(q);
-    f32x16 a0 = mul(q0, load(k0)), a1 = mul(q0, load(k1)), a2 = mul(q0, load(k2)), a3 = mul(q0, load(k3));
-    for (int64_t e = 16; e < d; e += 16) {
-      const f32x16 qe = load(q + e);
-      a0 = fmadd(qe, load(k0 + e), a0);
-      a1 = fmadd(qe, load(k1 + e), a1);
-      a2 = fmadd(qe, load(k2 + e), a2);
-      a3 = fmadd(qe, load(k3 + e), a3);
-    }
-    s[j] = reduce_add(a0) * scale;
-    s[j + 1] = reduce_add(a1) * scale;
-    s[j + 2] = reduce_add(a2) * scale;
-    s[j + 3] = reduce_add(a3) * scale;
-  }
-  for (; j < len; ++j) s[j] = dot(q, k + j * ks, d) * scale;
-  float m = -INFINITY;
-  for (j = 0; j < len; ++j) m = s[j] > m ? s[j] : m;
-  for (int64_t j = len; j < padded; ++j) s[j] = -INFINITY;
-  const f32x16 mv = set1(m);
-  f32x16 sum = zero();
-  for (int64_t j = 0; j < padded; j += 16) {
-    const f32x16 p = dspark_kernels::exp(sub(load(s + j), mv));
-    store(s + j, p);
-    sum = add(sum, p);
-  }
-  const float inv = 1.0f / reduce_add(sum);
+  if (static_cast<int64_t>(buf.size()) < G * padded) buf.resize(G * padded);
   constexpr int kMaxChunks = 16;  // d <= 256
-  f32x16 acc[kMaxChunks];
-  const int64_t chunks = d / 16;
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = zero();
-  for (int64_t j = 0; j < len; ++j) {
-    const f32x16 p = set1(s[j]);
-    const float* vj = v + j * vs;
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = fmadd(p, load(vj + 16 * c), acc[c]);
+  const f32x16 sv = set1(scale);
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* s = buf.data() + g * padded;
+    const float* qg = q + g * qs;
+    f32x16 qv[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) qv[c] = load(qg + 16 * c);
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) {
+      f32x16 a[16];
+      for (int l = 0; l < 16; ++l) {
+        const float* kj = k + (j + l) * ks;
+        f32x16 acc = mul(qv[0], load(kj));
+        for (int64_t c = 1; c < chunks; ++c) acc = fmadd(qv[c], load(kj + 16 * c), acc);
+        a[kReduce16Slot[l]] = acc;
+      }
+      store(s + j, mul(reduce_add16(a), sv));
+    }
+    for (; j < len; ++j) s[j] = dot(qg, k + j * ks, d) * scale;
+    float m = -INFINITY;
+    for (j = 0; j < len; ++j) m = s[j] > m ? s[j] : m;
+    for (j = len; j < padded; ++j) s[j] = -INFINITY;
+    const f32x16 mv = set1(m);
+    f32x16 sum = zero();
+    for (j = 0; j < padded; j += 16) {
+      const f32x16 p = dspark_kernels::exp(sub(load(s + j), mv));
+      store(s + j, p);
+      sum = add(sum, p);
+    }
+    inv[g] = 1.0f / reduce_add(sum);
   }
-  const f32x16 iv = set1(inv);
-  for (int64_t c = 0; c < chunks; ++c) store(out + 16 * c, mul(acc[c], iv));
+  f32x16 acc[G][kMaxChunks];
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = zero();
+  for (int64_t j = 0; j < len; ++j) {
+    const float* vj = v + j * vs;
+    f32x16 p[G];
+    for (int g = 0; g < G; ++g) p[g] = set1(buf[g * padded + j]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const f32x16 vv = load(vj + 16 * c);
+      for (int g = 0; g < G; ++g) acc[g][c] = fmadd(p[g], vv, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const f32x16 iv = set1(inv[g]);
+    for (int64_t c = 0; c < chunks; ++c) store(out + g * os + 16 * c, mul(acc[g][c], iv));
+  }
+}
+
+using GroupFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, int64_t, float,
+                         float*, int64_t, std::vector<float>&);
+
+// (kernel, heads per call) for head size d and `group` query heads per key head
+std::pair<GroupFn, int64_t> group_fn(int64_t d, int64_t group) {
+  if (d == 64) {
+    if (group % 4 == 0) return {one_group<4, 4>, 4};
+    if (group % 3 == 0) return {one_group<4, 3>, 3};
+    if (group % 2 == 0) return {one_group<4, 2>, 2};
+    return {one_group<4, 1>, 1};
+  }
+  if (d == 128) {
+    if (group % 2 == 0) return {one_group<8, 2>, 2};
+    return {one_group<8, 1>, 1};
+  }
+  return {one_group<0, 1>, 1};
 }
 
 }  // namespace
@@ -95,13 +129,17 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = h / kvh;
-  at::parallel_for(0, n * h * Q, 8, [&](int64_t t0, int64_t t1) {
+  const std::pair<GroupFn, int64_t> chosen = group_fn(d, group);
+  const GroupFn fn = chosen.first;
+  const int64_t G = chosen.second;
+  const int64_t calls = h / G;  // (row, G heads of one key head) per call
+  at::parallel_for(0, n * calls * Q, 8, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / (h * Q), hh = (t / Q) % h, i = t % Q, g = hh / group;
-      one_row(qp + r * q.stride(0) + hh * q.stride(1) + i * q.stride(2), kp + r * k.stride(0) + g * k.stride(1),
-              k.stride(2), vp + r * v.stride(0) + g * v.stride(1), v.stride(2), len[r * Q + i], d,
-              static_cast<float>(scale), op + ((r * h + hh) * Q + i) * d, buf);
+      const int64_t r = t / (calls * Q), hh = (t / Q) % calls * G, i = t % Q, g = hh / group;
+      fn(qp + r * q.stride(0) + hh * q.stride(1) + i * q.stride(2), q.stride(1), kp + r * k.stride(0) + g * k.stride(1),
+         k.stride(2), vp + r * v.stride(0) + g * v.stride(1), v.stride(2), len[r * Q + i], d,
+         static_cast<float>(scale), op + ((r * h + hh) * Q + i) * d, Q * d, buf);
     }
   });
   return out;

@@ -58,6 +58,34 @@ def test_a_rows_attention_does_not_depend_on_what_shares_its_call():
             torch.set_num_threads(1)
 
 
+@pytest.mark.parametrize("d", [64, 128, 48])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_a_head_gets_the_same_bits_alone_or_with_its_group(d, group):
+    """The kernel runs the query heads of one key head together (and unrolls common head sizes); each head must
+    still be computed exactly as alone."""
+    torch.manual_seed(group)
+    kvh, kv = 2, 45
+    h = group * kvh
+    q, k, v = torch.randn(2, h, 3, d), torch.randn(2, kvh, kv, d), torch.randn(2, kvh, kv, d)
+    lengths = [[45, 17, 16], [3, 0, 33]]
+    full = _attn(q, k, v, lengths, d ** -0.5)
+    for hh in range(h):
+        g = hh // group
+        alone = _attn(q[:, hh:hh + 1], k[:, g:g + 1], v[:, g:g + 1], lengths, d ** -0.5)
+        assert torch.equal(alone[:, 0], full[:, hh]), hh
+
+
+@pytest.mark.parametrize("d", [64, 48])
+def test_sixteen_keys_scored_at_once_equal_one_at_a_time(d):
+    """Blocks of 16 keys reduce their dot products together (reduce_add16), a shorter tail one key at a time
+    (reduce_add): both must give every key the same score. A 16th key whose weight underflows to exactly 0 makes
+    the 16-key call (one block) comparable with the 15-key call (all tail)."""
+    torch.manual_seed(d)
+    q, k, v = torch.randn(1, 1, 1, d), torch.randn(1, 1, 16, d), torch.randn(1, 1, 16, d)
+    k[0, 0, 15] = -1000.0 * q[0, 0, 0] / q[0, 0, 0].dot(q[0, 0, 0])  # score -1000 * scale: exp gives 0
+    assert torch.equal(_attn(q, k, v, [[16]], 0.125), _attn(q, k[:, :, :15], v[:, :, :15], [[15]], 0.125))
+
+
 def test_extreme_scores_stay_finite_and_exact_where_one_key_dominates():
     q = torch.zeros(1, 1, 1, 16)
     q[..., 0] = 1000.0
