@@ -204,6 +204,18 @@ class SlotKVCache(Cache):
         # [num_seqs, kv_heads, kv_len, head_dim]: a view when the slots are contiguous
         return k_store[p["view"], :, : p["kv_len"]], v_store[p["view"], :, : p["kv_len"]]
 
+    def update_with(self, append, key_states, value_states, layer_idx):
+        """`update()`, through `append` (our kernels' `kv_append`: the write and both views in one call) when the
+        plan is one sequence and the stores are float32 on the CPU; the same values and views either way."""
+        p = self._plan
+        k_store = self.keys[layer_idx]
+        if p is not None and p["single"] is not None and k_store is not None and k_store.dtype == torch.float32 \
+                and k_store.device.type == "cpu" and key_states.dtype == torch.float32 \
+                and key_states.shape[2] == p["single"][2] == value_states.shape[2]:
+            slot, off, _ = p["single"]
+            return append(k_store, self.values[layer_idx], key_states, value_states, slot, off, p["kv_len"])
+        return self.update(key_states, value_states, layer_idx)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self._plan is None else self._plan["kv_len"]
 

@@ -111,8 +111,10 @@ std::pair<GroupFn, int64_t> group_fn(int64_t d, int64_t group) {
 
 }  // namespace
 
-torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& lengths, double scale) {
+// rows_major: the output as [n * Q, h * d] (row r * Q + i holds its heads side by side, the layout the output
+// projection reads) instead of [n, h, Q, d].
+torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& lengths, double scale, bool rows_major) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [n, heads, rows, d]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
               v.scalar_type() == torch::kFloat32, "q, k, v must be float32");
@@ -125,7 +127,7 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
               lengths.size(1) == Q && lengths.is_contiguous(), "lengths must be int64 [n, rows]");
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t i = 0; i < n * Q; ++i) TORCH_CHECK(len[i] >= 0 && len[i] <= KV, "length ", len[i], " out of range");
-  auto out = torch::empty({n, h, Q, d}, torch::kFloat32);
+  auto out = rows_major ? torch::empty({n * Q, h * d}, torch::kFloat32) : torch::empty({n, h, Q, d}, torch::kFloat32);
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = h / kvh;
@@ -139,12 +141,24 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
       const int64_t r = t / (calls * Q), hh = (t / Q) % calls * G, i = t % Q, g = hh / group;
       fn(qp + r * q.stride(0) + hh * q.stride(1) + i * q.stride(2), q.stride(1), kp + r * k.stride(0) + g * k.stride(1),
          k.stride(2), vp + r * v.stride(0) + g * v.stride(1), v.stride(2), len[r * Q + i], d,
-         static_cast<float>(scale), op + ((r * h + hh) * Q + i) * d, Q * d, buf);
+         static_cast<float>(scale), op + (rows_major ? ((r * Q + i) * h + hh) * d : ((r * h + hh) * Q + i) * d),
+         rows_major ? d : Q * d, buf);
     }
   });
   return out;
 }
 
+torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& lengths, double scale) {
+  return attention_impl(q, k, v, lengths, scale, false);
+}
+
+torch::Tensor row_attention_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 const torch::Tensor& lengths, double scale) {
+  return attention_impl(q, k, v, lengths, scale, true);
+}
+
 TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
   m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor", row_attention);
+  m.def("row_attention_rows(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor", row_attention_rows);
 }

@@ -86,6 +86,37 @@ def test_sixteen_keys_scored_at_once_equal_one_at_a_time(d):
     assert torch.equal(_attn(q, k, v, [[16]], 0.125), _attn(q, k[:, :, :15], v[:, :, :15], [[15]], 0.125))
 
 
+def test_the_rows_major_output_is_the_same_attention_laid_out_for_the_output_projection():
+    torch.manual_seed(3)
+    n, h, kvh, rows, d = 2, 9, 3, 4, 64
+    q, k, v = torch.randn(n, h, rows, d), torch.randn(n, kvh, 30, d), torch.randn(n, kvh, 30, d)
+    lengths = torch.tensor([[27, 28, 29, 30], [5, 0, 1, 2]])
+    heads = torch.ops.dspark_cpu.row_attention(q, k, v, lengths, 0.125)
+    flat = torch.ops.dspark_cpu.row_attention_rows(q, k, v, lengths, 0.125)
+    assert flat.shape == (n * rows, h * d) and flat.is_contiguous()
+    assert torch.equal(flat, heads.transpose(1, 2).reshape(n * rows, h * d))
+
+
+def test_kv_append_writes_one_slot_and_returns_the_views_attention_reads():
+    slots, kvh, cap, d = 3, 2, 10, 16
+    k_store, v_store = torch.zeros(slots, kvh, cap, d), torch.zeros(slots, kvh, cap, d)
+    before_k, before_v = k_store.clone(), v_store.clone()
+    k_new = torch.randn(1, kvh, 8, d)[:, :, 2:5]  # a strided view: 3 new positions
+    v_new = torch.randn(1, kvh, 3, d)
+    keys, values = torch.ops.dspark_cpu.kv_append(k_store, v_store, k_new, v_new, 1, 4, 7)
+    before_k[1, :, 4:7], before_v[1, :, 4:7] = k_new[0], v_new[0]
+    assert torch.equal(k_store, before_k) and torch.equal(v_store, before_v)  # only slot 1, positions 4-6
+    assert keys.shape == (1, kvh, 7, d) and keys.data_ptr() == k_store[1].data_ptr()  # views, no copies
+    assert torch.equal(keys, k_store[1:2, :, :7]) and torch.equal(values, v_store[1:2, :, :7])
+    for bad, match in (((3, 0, 3), "slot 3 out of range"), ((0, 8, 10), "out of the capacity"),
+                       ((0, 4, 6), "out of the capacity"), ((-1, 0, 3), "slot -1")):
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.dspark_cpu.kv_append(k_store, v_store, k_new, v_new, *bad)
+    with pytest.raises(RuntimeError, match="new keys / values"):
+        torch.ops.dspark_cpu.kv_append(k_store, v_store, torch.randn(1, kvh, 3, 8), v_new, 0, 0, 3)
+    assert torch.equal(k_store, before_k)  # refused calls wrote nothing
+
+
 def test_extreme_scores_stay_finite_and_exact_where_one_key_dominates():
     q = torch.zeros(1, 1, 1, 16)
     q[..., 0] = 1000.0
