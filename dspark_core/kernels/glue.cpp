@@ -137,7 +137,10 @@ std::vector<torch::Tensor> kv_append(torch::Tensor k_store, torch::Tensor v_stor
       for (int64_t i = 0; i < count; ++i)
         std::memcpy(stores[w] + ((slot * kvh + hh) * cap + offset + i) * d, src + hh * hs + i * rs, d * sizeof(float));
   }
-  return {k_store.narrow(0, slot, 1).narrow(2, 0, kv_len), v_store.narrow(0, slot, 1).narrow(2, 0, kv_len)};
+  const std::vector<int64_t> view = {1, kvh, kv_len, d};
+  const int64_t at = slot * kvh * cap * d;  // + the stores' own offsets (0 for a fresh store)
+  return {k_store.as_strided(view, k_store.strides(), k_store.storage_offset() + at),
+          v_store.as_strided(view, v_store.strides(), v_store.storage_offset() + at)};
 }
 
 TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
