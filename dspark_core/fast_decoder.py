@@ -194,6 +194,11 @@ class LeanDecoder:
                 kept[li] = x
         return norm(x, self.norm_w, self.eps), kept
 
+    def attends_by_row(self, q: int) -> bool:
+        """Whether a pass of `q` new tokens a sequence runs attention row by row over each row's own keys (then
+        the additive mask goes unused and need not be built)."""
+        return self.row_invariant and (ROW_ATTENTION_MAX_ROWS is None or q <= ROW_ATTENTION_MAX_ROWS)
+
     def linears(self) -> list[PackedLinear]:
         """Every matmul of one forward but the LM head, in order."""
         return [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down)]
@@ -217,7 +222,7 @@ class LeanDecoder:
         # ROW_ATTENTION_MAX_ROWS rows); by_row[r][i] = keys row i of sequence r sees (its position + 1), None for
         # a padded row
         by_row = None
-        if self.row_invariant and (ROW_ATTENTION_MAX_ROWS is None or q <= ROW_ATTENTION_MAX_ROWS):
+        if self.attends_by_row(q):
             lengths = (position_ids + 1).tolist()
             real = None if rows is None else set(rows.tolist())
             by_row = [[lengths[r][i] if real is None or r * q + i in real else None for i in range(q)]

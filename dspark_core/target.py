@@ -452,8 +452,8 @@ class TargetRuntime:
         # [n, q] absolute positions of the new tokens
         pos = off[:, None] + torch.arange(q)[None, :]
         kv_len = self.cache.get_seq_length()
-        if q == 1 and min(offsets) + 1 == kv_len:
-            mask = None  # one new token per sequence, all at the same length: every key is visible
+        if q == 1 and min(offsets) + 1 == kv_len or self._lean is not None and self._lean.attends_by_row(q):
+            mask = None  # one new token per sequence, all at the same length (every key is visible), or row by row
         else:
             # [n, 1, q, kv_len] additive mask: query i of row r sees keys [0, offset_r + i]
             allowed = torch.arange(kv_len)[None, None, :] <= pos[:, :, None]
