@@ -146,9 +146,8 @@ class LeanDecoder:
             ops = torch.ops.dspark_cpu
             self._norm_op, self._silu_op, self._rope_op = ops.rms_norm.default, ops.silu_mul.default, \
                 ops.rope_split.default
-            # the attention output in the rows-major layout the output projection reads (no transpose copy), and
-            # a batch-1 step's cache write in one call
-            self._attn_rows, self._kv_append = ops.row_attention_rows.default, ops.kv_append.default
+            # the attention output in the rows-major layout the output projection reads (no transpose copy)
+            self._attn_rows = ops.row_attention_rows.default
 
     def _row_attention(self, qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        by_row: list[list[int | None]], lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,14 +176,12 @@ class LeanDecoder:
         RMSNorm, x cos + roll(x) signed_sin, silu(g) u), for the batch-invariant path."""
         h, d, kvh = self.num_heads, self.head_dim, self.num_kv_heads
         norm, rope, silu_mul, attend = self._norm_op, self._rope_op, self._silu_op, self._attn_rows
-        update = (lambda k, v, li: cache.update_with(self._kv_append, k, v, li)) if hasattr(cache, "update_with") \
-            else cache.update
         for li, L in enumerate(self.layers):
             qkv = L.qkv(norm(x, L.in_norm, self.eps))  # [N, (h + 2 kvh) d]
             if rows is not None:
                 qkv = qkv.new_zeros(n * q, qkv.shape[-1]).index_copy_(0, rows, qkv)
             qs, ks, vs = rope(qkv, cos, sin, n, h, kvh)
-            keys, values = update(ks, vs, li)
+            keys, values = cache.update(ks, vs, li)
             attn = attend(qs, keys, values, lengths, self.scaling)  # [n * q, h * d]
             if rows is not None:
                 attn = attn.index_select(0, rows)

@@ -169,8 +169,13 @@ class SlotKVCache(Cache):
         kv_len = max(o + c for o, c in zip(offsets, counts))
         if len(slots) == 1:
             # one sequence (batch-1 decoding): its new K/V are one slice, written without index tensors
+            from . import kernels
+
+            # our kernels' kv_append, where they are loaded: the write and both views in one call (~60 us of
+            # PyTorch indexing a layer otherwise, a tenth of a SmolLM2 step)
+            append = torch.ops.dspark_cpu.kv_append.default if kernels.loaded() else None
             self._plan = {"single": (slots[0], offsets[0], counts[0]), "view": slice(slots[0], slots[0] + 1),
-                          "kv_len": kv_len}
+                          "kv_len": kv_len, "append": append}
             return
         dev = self.device
         r_idx = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(counts))
@@ -196,6 +201,10 @@ class SlotKVCache(Cache):
         k_store, v_store = self.keys[layer_idx], self.values[layer_idx]
         if p["single"] is not None:
             slot, off, count = p["single"]
+            if p["append"] is not None and k_store.dtype == key_states.dtype == value_states.dtype == torch.float32 \
+                    and k_store.device.type == "cpu" and key_states.shape[2] == count == value_states.shape[2] \
+                    and key_states.stride(3) == 1 and value_states.stride(3) == 1:
+                return p["append"](k_store, v_store, key_states, value_states, slot, off, p["kv_len"])
             k_store[slot, :, off : off + count] = key_states[0, :, :count]
             v_store[slot, :, off : off + count] = value_states[0, :, :count]
         else:
@@ -203,18 +212,6 @@ class SlotKVCache(Cache):
             v_store[p["slot"], :, p["pos"]] = value_states[p["r"], :, p["q"]]
         # [num_seqs, kv_heads, kv_len, head_dim]: a view when the slots are contiguous
         return k_store[p["view"], :, : p["kv_len"]], v_store[p["view"], :, : p["kv_len"]]
-
-    def update_with(self, append, key_states, value_states, layer_idx):
-        """`update()`, through `append` (our kernels' `kv_append`: the write and both views in one call) when the
-        plan is one sequence and the stores are float32 on the CPU; the same values and views either way."""
-        p = self._plan
-        k_store = self.keys[layer_idx]
-        if p is not None and p["single"] is not None and k_store is not None and k_store.dtype == torch.float32 \
-                and k_store.device.type == "cpu" and key_states.dtype == torch.float32 \
-                and key_states.shape[2] == p["single"][2] == value_states.shape[2]:
-            slot, off, _ = p["single"]
-            return append(k_store, self.values[layer_idx], key_states, value_states, slot, off, p["kv_len"])
-        return self.update(key_states, value_states, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self._plan is None else self._plan["kv_len"]

@@ -85,6 +85,11 @@ def q8dot_unavailable() -> str | None:
     return why
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process already (never builds or loads them)."""
+    return "why" in _state and _state["why"] is None
+
+
 def kernel_isa() -> str | None:
     """The instruction set our kernels run with here ("avx512" / "avx2"), None where they do not run."""
     return _state.get("isa") if q8dot_unavailable() is None else None  # type: ignore[return-value]
