@@ -1,12 +1,16 @@
-"""`dspark calibrate`: fit STS confidence temperatures on held-out rollouts and save them for the drafter.
+"""`dspark calibrate`: fit the confidence calibration on held-out rollouts and save it for the drafter.
 
 Rollouts: the drafter decodes the eval split of each `--dataset` (first turn, `--limit K` first eval prompts
 per file) with the fixed policy (every draft verified) at T = 1.0, `--samples` times with different seeds,
 logging each round's raw confidence logits and accepted count. Those eval prompts are split once more,
-alternately by prompt: even-numbered prompts fit the temperatures, odd-numbered ones check them (the
+alternately by prompt: even-numbered prompts fit the calibration, odd-numbered ones check it (the
 before/after table is on the check half, out of sample). `--no-holdout` fits and reports on everything (in
 sample, labelled as such).
-Writes `calibration.json` = {"method": "sts", "temperatures": [...], ...} to `--out DIR`, default the drafter's
+`--method platt` (the default) fits a temperature and a bias per position by maximum likelihood, in order
+(sequential Platt scaling); `--method sts` the paper's temperatures alone (ECE grid search). The table's
+`*_sts` columns are the fitted calibration's, whichever method made it.
+Writes `calibration.json` = {"method": "platt", "temperatures": [...], "biases": [...], ...} (STS: no
+biases) to `--out DIR`, default the drafter's
 install location (`dspark_cli.models.generated_dir`: beside a drafter of one's own, `$DSPARK_HOME/models/NAME` for
 a shipped one, so that no tracked file changes); the commands and services read it from there.
 """
@@ -25,22 +29,30 @@ from .models import generated_dir
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="fit STS confidence temperatures for a DSpark drafter",
-                       description="Collect fixed-policy rollouts on the eval split, fit sequential temperature "
-                                   "scaling, write calibration.json to the drafter's install location (or --out) and "
-                                   "print ECE / AUC by position.")
+    p = sub.add_parser("calibrate", help="fit the confidence calibration of a DSpark drafter",
+                       description="Collect fixed-policy rollouts on the eval split, fit a sequential calibration "
+                                   "(Platt scaling: a temperature and a bias per position; or STS: temperatures "
+                                   "alone), write calibration.json to the drafter's install location (or --out) "
+                                   "and print ECE / AUC by position.")
     add_common_args(p, max_new_tokens=256)
     p.add_argument("--samples", type=int, default=2,
                    help="rollouts per prompt, each with its own seed (default 2; temperature 0 runs one, the rest "
                         "would repeat it). ECE's sampling noise falls with the rounds: ~34k per half keeps it "
                         "under 1%% on the bundled model")
     p.add_argument("--plots", default=None, metavar="DIR",
-                   help="write reliability diagrams here: reliability_before.png (raw), reliability_after.png (STS)")
+                   help="write reliability diagrams here: reliability_before.png (raw), reliability_after.png (calibrated)")
     p.add_argument("--no-holdout", action="store_true",
                    help="fit and report on all rollouts (default: fit on even prompts, report on odd ones)")
+    p.add_argument("--method", choices=("platt", "sts"), default="platt",
+                   help="platt: a temperature and a bias per position, maximum likelihood, position by position "
+                        "(default; a temperature alone cannot remove a head's shift in logit space); sts: the "
+                        "paper's sequential temperature scaling (ECE grid search, no bias)")
     p.add_argument("--min-rounds", type=int, default=50,
-                   help="positions with fewer fitting rounds keep t = 1 (default 50)")
+                   help="positions with fewer fitting rounds keep t = 1, b = 0 (default 50)")
     p.add_argument("--dry-run", action="store_true", help="fit and report, but do not write calibration.json")
+    p.add_argument("--save-rounds", default=None, metavar="FILE.npz",
+                   help="also write the rollout rounds (raw confidence logits, proposed, accepted, prompt index) "
+                        "here, to refit or study offline without running the models again")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="directory to write calibration.json to (default: the drafter's install location: beside a "
                         "drafter of your own, $DSPARK_HOME/models/NAME for a shipped one; the commands and services "
@@ -56,7 +68,7 @@ def run_online(args) -> int:
     """`--online`: STS refit on served rounds, on top of the temperatures they were served with."""
     from dspark_core import calibration as cal
     from dspark_core.drafters.config import load_config
-    from dspark_core.monitoring import read_rounds, refit_temperatures
+    from dspark_core.monitoring import read_rounds, refit_calibration
 
     from .models import find_generated, resolve_drafter_path
 
@@ -83,22 +95,27 @@ def run_online(args) -> int:
         if not rows or (greedy and not config.greedy_confidence_head):
             continue
         old = config.sts_temperatures_greedy if greedy else config.sts_temperatures
-        temps, table = refit_temperatures(rows, old, min_rounds=args.min_rounds)
-        regime = {"rounds": len(rows), "temperatures_before": list(old), "temperatures": list(temps), "table": table}
+        old_b = config.calibration_bias_values_greedy if greedy else config.calibration_bias_values
+        calib, table = refit_calibration(rows, old, old_b, method=args.method, min_rounds=args.min_rounds)
+        temps = calib.temperatures
+        regime = {"rounds": len(rows), "method": calib.method, "temperatures_before": list(old),
+                  "biases_before": list(old_b), "temperatures": list(temps), "biases": calib.bias_list(),
+                  "table": table}
         if not args.dry_run:
             meta = {"online_rounds": len(rows), "rounds_file": str(args.online),
                     "ece_survival_before": [r["ece_survival_raw"] for r in table],
                     "ece_survival_after": [r["ece_survival_sts"] for r in table]}
             out = Path(args.out) if args.out else generated_dir(path)
-            regime["written"] = str(cal.write_calibration(out, temps, {"fitted_on": meta}, greedy=greedy,
+            regime["written"] = str(cal.write_calibration(out, calib, {"fitted_on": meta}, greedy=greedy,
                                                           base_dir=path))
         result["regimes"]["greedy" if greedy else "sampled"] = regime
     if args.json:
         print(json.dumps(result, default=float))
     else:
         for key, reg in result["regimes"].items():
-            print(f"online STS for {name} ({key}, {reg['rounds']} recorded rounds): temperatures "
-                  + " ".join(f"{a:.3f}->{b:.3f}" for a, b in zip(reg["temperatures_before"], reg["temperatures"])))
+            print(f"online {reg['method']} refit for {name} ({key}, {reg['rounds']} recorded rounds): temperatures "
+                  + " ".join(f"{a:.3f}->{b:.3f}" for a, b in zip(reg["temperatures_before"], reg["temperatures"]))
+                  + "; biases " + " ".join(f"{a:+.3f}->{b:+.3f}" for a, b in zip(reg["biases_before"], reg["biases"])))
             for row in reg["table"]:
                 print(f"  k={row['position']} rounds {row['rounds']:6d}  ECE served {row['ece_survival_raw']:.3f}"
                       f"  refit {row['ece_survival_sts']:.3f}")
@@ -140,13 +157,21 @@ def run(args) -> int:
     records = cal.RolloutRecords.from_rounds(log.confidence_logits, log.accepted, log.proposed,
                                              gamma=drafter.block_size)
     odd = np.asarray(log.prompt_index) % 2 == 1
+    if args.save_rounds:
+        out_rounds = Path(args.save_rounds)
+        out_rounds.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(out_rounds, logits=records.logits, proposed=records.proposed,
+                            accepted=records.accepted, prompt_index=np.asarray(log.prompt_index, dtype=np.int64),
+                            temperature=np.float64(args.temperature), greedy_output=np.bool_(greedy))
     holdout = not args.no_holdout and odd.any() and (~odd).any()
     fit_on = records.subset(~odd) if holdout else records
     check_on = records.subset(odd) if holdout else records
-    temps = cal.fit_sts(fit_on, min_rounds=args.min_rounds)
-    table = cal.calibration_table(check_on, None, temps)
+    calib = cal.fit_calibration(fit_on, args.method, min_rounds=args.min_rounds)
+    temps = calib.temperatures
+    table = cal.calibration_table(check_on, None, calib)
     result = {
-        "drafter": Path(path).name, "drafter_path": str(path), "temperatures": list(temps),
+        "drafter": Path(path).name, "drafter_path": str(path), "method": calib.method,
+        "temperatures": list(temps), "biases": calib.bias_list(),
         "confidence_output": "greedy" if greedy else "sampled",
         "datasets": [s["dataset"] for s in sets], "split": sets[0]["split"], "num_prompts": len(prompts),
         "rounds_fit": len(fit_on), "rounds_check": len(check_on),
@@ -165,18 +190,18 @@ def run(args) -> int:
         meta["ece_survival_sts"] = [r["ece_survival_sts"] for r in table]
         meta["table_on"] = result["table_on"]
         out = Path(args.out) if args.out else generated_dir(path)
-        result["written"] = str(cal.write_calibration(out, temps, {"fitted_on": meta}, greedy=greedy, base_dir=path))
+        result["written"] = str(cal.write_calibration(out, calib, {"fitted_on": meta}, greedy=greedy, base_dir=path))
     if args.plots:
         from dspark_core.report import plot_reliability
 
         before = cal.reliability_by_position(check_on, None)
-        after = cal.reliability_by_position(check_on, temps)
+        after = cal.reliability_by_position(check_on, calib)
         out = Path(args.plots)
         result["plots"] = [
             str(plot_reliability(before, None, out / "reliability_before.png",
                                  f"{result['drafter']}: raw ({result['table_on']})")),
             str(plot_reliability(before, after, out / "reliability_after.png",
-                                 f"{result['drafter']}: STS vs raw ({result['table_on']})")),
+                                 f"{result['drafter']}: {calib.method} vs raw ({result['table_on']})")),
         ]
     if args.json:
         print(json.dumps(result, default=float))
@@ -189,19 +214,20 @@ def table_text(r: dict) -> str:
     def f(x):
         return "   -  " if x is None or x != x else f"{x:6.3f}"
 
-    lines = [f"STS for {r['drafter']}: {r['num_prompts']} prompts ({', '.join(r['datasets'])}; split {r['split']}), "
+    lines = [f"{r.get('method', 'sts')} calibration for {r['drafter']}: {r['num_prompts']} prompts ({', '.join(r['datasets'])}; split {r['split']}), "
              f"{r['rounds_fit']} rounds fitted; table on {r['table_on']} ({r['rounds_check']} rounds)",
              "survival a_k = prod c_i vs prefix accepted | conditional c_k vs k-th accepted given < k accepted",
-             "  k   t_k    rounds  rate   ECE raw  ECE STS  floor  AUC   | rounds  ECE raw  ECE STS  AUC"]
-    for row, t in zip(r["table"], r["temperatures"]):
-        lines.append(f"{row['position']:3d} {t:6.3f} {row['rounds']:8d} {f(row['prefix_accept_rate'])} "
+             "  k   t_k    b_k     rounds  rate   ECE raw  ECE cal  floor  AUC   | rounds  ECE raw  ECE cal  AUC"]
+    for row, t, b in zip(r["table"], r["temperatures"], r.get("biases") or [0.0] * len(r["temperatures"])):
+        lines.append(f"{row['position']:3d} {t:6.3f} {b:+6.3f} {row['rounds']:8d} {f(row['prefix_accept_rate'])} "
                      f"{f(row['ece_survival_raw'])}  {f(row['ece_survival_sts'])} {f(row.get('ece_survival_floor'))} "
                      f"{f(row['auc_survival'])} | "
                      f"{row['conditional_rounds']:6d} {f(row['ece_conditional_raw'])}  "
                      f"{f(row['ece_conditional_sts'])} {f(row['auc_conditional'])}")
-    lines.append("floor: ECE a perfectly calibrated head with the STS confidences scores on these rounds (noise)")
+    lines.append("floor: ECE a perfectly calibrated head with the calibrated confidences scores on these rounds "
+                 "(noise)")
     if r["unfitted_positions"]:
-        lines.append(f"positions {r['unfitted_positions']} had < {r['min_rounds']} fitting rounds: t = 1 kept")
+        lines.append(f"positions {r['unfitted_positions']} had < {r['min_rounds']} fitting rounds: t = 1, b = 0 kept")
     if "written" in r:
         lines.append(f"wrote {r['written']}")
     for p in r.get("plots", []):

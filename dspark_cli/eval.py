@@ -202,6 +202,10 @@ def run(args) -> int:
     t0 = time.perf_counter()
     log = run_rounds(target, drafter, ps["prompts"], **common)
     wall = time.perf_counter() - t0
+    cfg = drafter.config
+    greedy_output = args.temperature == 0 and drafter.has_confidence and cfg.greedy_confidence_head
+    cfg_temps = cfg.sts_temperatures_greedy if greedy_output else cfg.sts_temperatures
+    cfg_biases = cfg.calibration_bias_values_greedy if greedy_output else cfg.calibration_bias_values
     result = {
         "dataset": ps["dataset"], "domain": ps["domain"], "split": ps["split"],
         "drafter": args.name or drafter_label(path), "drafter_kind": drafter.kind, "drafter_path": str(path),
@@ -213,7 +217,9 @@ def run(args) -> int:
         "support_size": drafter.support_size, "vocab_size": drafter.vocab_size,
         "drafter_matmul_dtype": matmul_dtype_name(drafter),
         "support_note": TRUNCATION_NOTE.format(k=drafter.support_size),
-        "calibration_temperatures": list(drafter.config.sts_temperatures) if drafter.has_confidence else None,
+        # the calibration of the confidence output these rollouts logged (the greedy one at T = 0, if any)
+        "calibration_temperatures": list(cfg_temps) if drafter.has_confidence else None,
+        "calibration_biases": list(cfg_biases) if drafter.has_confidence else None,
         "wall_s": round(wall, 3),
     }
     if args.truncation_cost:

@@ -1,4 +1,5 @@
-"""Confidence calibration: sequential temperature scaling (STS), ECE, ROC-AUC and reliability data.
+"""Confidence calibration: sequential temperature scaling (STS), sequential Platt scaling, ECE, ROC-AUC and
+reliability data.
 
 Input is a set of rollout records (algorithms.md section 6): for every drafting round of held-out
 requests, the raw confidence logits of the proposed positions and how many drafts were accepted. At
@@ -13,6 +14,14 @@ Two views of the same confidences, never mixed up:
 STS fits t_1..t_gamma in order, each by grid search minimising the ECE of the survival a_k (20 equal-width
 bins) with the earlier temperatures fixed. Temperature scaling is monotone per position, so the conditional
 ranking (and its AUC) is unchanged; survival AUC can move slightly because a_k mixes positions.
+
+A temperature only stretches logits about 0: a head that is over-confident in the middle of its range and
+right at both ends (a shift in logit space) stays miscalibrated. Sequential Platt scaling fits a bias beside
+each temperature, `c_k = sigmoid(logit_k / t_k + b_k)`, in the same order, by maximum likelihood of the
+survival event (`a_k = a_{k-1} * c_k` against `accepted >= k`, earlier positions fixed): a proper scoring rule,
+so two parameters do not chase the binning noise the way an ECE grid over two parameters does. It is monotone
+per position too; with every b_k = 0 it is STS's model. `Calibration` carries (temperatures, biases); every
+function below that takes `temperatures` takes a `Calibration` as well.
 
 Pure numpy on arrays: knows nothing about engines, models or files beyond writing `calibration.json`.
 """
@@ -189,11 +198,43 @@ def expected_auc(scores, alpha) -> float:
     return float(wins.sum() / pairs)
 
 
-def _temps(records: RolloutRecords, temperatures) -> np.ndarray:
-    t = np.ones(records.gamma) if temperatures is None else np.asarray(temperatures, dtype=np.float64)
+@dataclass(frozen=True)
+class Calibration:
+    """Per position: c_k = sigmoid(logit_k / t_k + b_k). No biases = all 0 (STS)."""
+
+    temperatures: tuple[float, ...]
+    biases: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        t = tuple(float(x) for x in self.temperatures)
+        if not t or any(not math.isfinite(x) or x <= 0 for x in t):
+            raise InvalidArgument("temperatures", list(t), "must be a non-empty list of finite numbers > 0")
+        object.__setattr__(self, "temperatures", t)
+        if self.biases is not None:
+            b = tuple(float(x) for x in self.biases)
+            if len(b) != len(t) or any(not math.isfinite(x) for x in b):
+                raise InvalidArgument("biases", list(b), f"must be {len(t)} finite numbers (one per temperature)")
+            object.__setattr__(self, "biases", None if not any(b) else b)
+
+    @property
+    def method(self) -> str:
+        return "sts" if self.biases is None else "platt"
+
+    def bias_list(self) -> list[float]:
+        return list(self.biases) if self.biases is not None else [0.0] * len(self.temperatures)
+
+
+def _params(records: RolloutRecords, temperatures) -> tuple[np.ndarray, np.ndarray]:
+    """(t, b) arrays [gamma] from None (identity), a temperature sequence (b = 0) or a `Calibration`."""
+    if isinstance(temperatures, Calibration):
+        t = np.asarray(temperatures.temperatures, dtype=np.float64)
+        b = np.asarray(temperatures.bias_list(), dtype=np.float64)
+    else:
+        t = np.ones(records.gamma) if temperatures is None else np.asarray(temperatures, dtype=np.float64)
+        b = np.zeros(t.shape)
     if t.shape != (records.gamma,) or not (t > 0).all():
         raise InvalidArgument("temperatures", list(np.atleast_1d(t)), f"must be {records.gamma} numbers > 0")
-    return t
+    return t, b
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -201,8 +242,9 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def conditional_confidences(records: RolloutRecords, temperatures=None) -> np.ndarray:
-    """[N, gamma] c_k = sigmoid(logit_k / t_k) (NaN past `proposed`)."""
-    return _sigmoid(records.logits / _temps(records, temperatures)[None, :])
+    """[N, gamma] c_k = sigmoid(logit_k / t_k + b_k) (NaN past `proposed`)."""
+    t, b = _params(records, temperatures)
+    return _sigmoid(records.logits / t[None, :] + b[None, :])
 
 
 def survival_confidences(records: RolloutRecords, temperatures=None) -> np.ndarray:
@@ -254,6 +296,89 @@ def fit_sts(records: RolloutRecords, grid=DEFAULT_GRID, bins: int = NUM_BINS, mi
     return tuple(temps)
 
 
+# ---- sequential Platt scaling ----------------------------------------------------------------------
+
+T_RANGE = (0.05, 20.0)  # as STS's grid
+B_RANGE = (-10.0, 10.0)
+
+
+def _fit_platt_position(z: np.ndarray, base: np.ndarray, y: np.ndarray, ridge: float = 1.0,
+                        iters: int = 100) -> tuple[float, float]:
+    """Maximum likelihood (t, b) of P(y = 1) = base * sigmoid(z / t + b), by Fisher scoring with a backtracking
+    line search in (s = log(1 / t), b). `ridge` is a Gaussian prior's weight pulling (s, b) to (0, 0), one
+    round's worth: it keeps a position whose labels are all 1 (or all 0) finite and changes nothing measurable
+    on hundreds of rounds."""
+    base = np.clip(base, 1e-12, 1.0)
+
+    def loss(s, b):
+        p = np.clip(base * _sigmoid(z * math.exp(s) + b), 1e-12, 1 - 1e-12)
+        return float(-(y * np.log(p) + (1 - y) * np.log1p(-p)).sum() + 0.5 * ridge * (s * s + b * b))
+
+    s, b = 0.0, 0.0
+    cur = loss(s, b)
+    lo_s, hi_s = -math.log(T_RANGE[1]), -math.log(T_RANGE[0])
+    for _ in range(iters):
+        w = math.exp(s)
+        sig = _sigmoid(z * w + b)
+        p = np.clip(base * sig, 1e-12, 1 - 1e-12)
+        dp_du = p * (1.0 - sig)                      # d p / d u, u = z w + b
+        g_u = (p - y) / (p * (1.0 - p)) * dp_du      # d loss / d u per round
+        fisher_u = dp_du * dp_du / (p * (1.0 - p))
+        du = np.stack((z * w, np.ones_like(z)))      # d u / d (s, b)
+        grad = du @ g_u + ridge * np.array([s, b])
+        hess = (du * fisher_u) @ du.T + ridge * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        scale = 1.0
+        while scale > 1e-6:
+            ns = min(max(s - scale * step[0], lo_s), hi_s)
+            nb = min(max(b - scale * step[1], B_RANGE[0]), B_RANGE[1])
+            new = loss(ns, nb)
+            if new <= cur + 1e-12:
+                break
+            scale *= 0.5
+        else:
+            break
+        done = abs(ns - s) < 1e-9 and abs(nb - b) < 1e-9
+        s, b, cur = ns, nb, new
+        if done or float(np.abs(grad).max()) < 1e-8 * max(len(z), 1):
+            break
+    return math.exp(-s), b
+
+
+def fit_platt(records: RolloutRecords, min_rounds: int = 1, ridge: float = 1.0) -> Calibration:
+    """Sequential Platt scaling: (t_k, b_k) for k = 1..gamma in order, each the maximum-likelihood fit of the
+    survival a_k = a_{k-1} * sigmoid(logit_k / t_k + b_k) to `accepted >= k` over the rounds that proposed k,
+    with the earlier positions fixed. A position with fewer than `min_rounds` rounds keeps (1, 0)."""
+    if len(records) == 0:
+        raise InvalidArgument("records", 0, "must hold at least one round to calibrate on")
+    temps, biases = [], []
+    prefix = np.ones(len(records))
+    for k in range(1, records.gamma + 1):
+        rows = records.proposed >= k
+        if rows.sum() < max(min_rounds, 1):
+            temps.append(1.0)
+            biases.append(0.0)
+            continue
+        y = (records.accepted[rows] >= k).astype(np.float64)
+        t_k, b_k = _fit_platt_position(records.logits[rows, k - 1], prefix[rows], y, ridge=ridge)
+        temps.append(t_k)
+        biases.append(b_k)
+        prefix = prefix * np.where(rows, _sigmoid(np.nan_to_num(records.logits[:, k - 1]) / t_k + b_k), 1.0)
+    return Calibration(tuple(temps), tuple(biases))
+
+
+METHODS = ("platt", "sts")
+
+
+def fit_calibration(records: RolloutRecords, method: str = "platt", min_rounds: int = 1) -> Calibration:
+    """`method` "platt" (temperature and bias per position, the default) or "sts" (temperatures alone)."""
+    if method == "platt":
+        return fit_platt(records, min_rounds=min_rounds)
+    if method == "sts":
+        return Calibration(fit_sts(records, min_rounds=min_rounds))
+    raise InvalidArgument("method", method, f"must be one of {list(METHODS)}")
+
+
 def calibration_table(records: RolloutRecords, before=None, after=None, bins: int = NUM_BINS) -> list[dict]:
     """Per position: rounds, ECE of survival (raw / STS, and the sampling-noise floor of the STS scores), ECE of
     conditional (raw / STS), and AUCs of both views."""
@@ -286,15 +411,18 @@ def reliability_by_position(records: RolloutRecords, temperatures=None, bins: in
 
 def write_calibration(drafter_dir: str | Path, temperatures, metadata: dict | None = None,
                       greedy: bool = False, base_dir: str | Path | None = None) -> Path:
-    """Write `<drafter_dir>/calibration.json` = {"method": "sts", "temperatures": [...], ...metadata}.
+    """Write `<drafter_dir>/calibration.json` = {"method": "sts" | "platt", "temperatures": [...],
+    "biases": [...] (Platt only), ...metadata}; `temperatures` is a list or a `Calibration`.
 
-    `greedy`: these temperatures calibrate the greedy confidence output instead; they go to the file's
-    `"greedy"` section and the sampled-regime temperatures already there are kept (all 1.0 if none). A
-    sampled-regime write keeps an existing greedy section likewise. When `<drafter_dir>` has no file yet, the
-    section kept comes from `<base_dir>/calibration.json` (the drafter's own, when writing elsewhere)."""
-    temps = [float(t) for t in temperatures]
-    if not temps or any(not math.isfinite(t) or t <= 0 for t in temps):
-        raise InvalidArgument("temperatures", temps, "must be a non-empty list of finite numbers > 0")
+    `greedy`: this calibrates the greedy confidence output instead; it goes to the file's `"greedy"` section
+    and the sampled-regime calibration already there is kept (identity if none). A sampled-regime write keeps
+    an existing greedy section likewise. When `<drafter_dir>` has no file yet, the section kept comes from
+    `<base_dir>/calibration.json` (the drafter's own, when writing elsewhere)."""
+    calib = temperatures if isinstance(temperatures, Calibration) else Calibration(tuple(temperatures))
+    temps = list(calib.temperatures)
+    fitted = {"temperatures": temps}
+    if calib.biases is not None:
+        fitted["biases"] = list(calib.biases)
     path = Path(drafter_dir) / "calibration.json"
     source = path if path.is_file() or base_dir is None else Path(base_dir) / "calibration.json"
     try:
@@ -304,9 +432,9 @@ def write_calibration(drafter_dir: str | Path, temperatures, metadata: dict | No
     path.parent.mkdir(parents=True, exist_ok=True)
     if greedy:
         body = {"method": "sts", "temperatures": [1.0] * len(temps), **old,
-                "greedy": {"temperatures": temps, **(metadata or {})}}
+                "greedy": {"method": calib.method, **fitted, **(metadata or {})}}
     else:
-        body = {"method": "sts", "temperatures": temps, **(metadata or {})}
+        body = {"method": calib.method, **fitted, **(metadata or {})}
         if "greedy" in old:
             body["greedy"] = old["greedy"]
     path.write_text(json.dumps(body, indent=2, default=_jsonable) + "\n")

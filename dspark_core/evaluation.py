@@ -87,11 +87,12 @@ def survival(accepted: list[int], proposed: list[int], gamma: int) -> list[float
     return out
 
 
-def threshold_sweep(log: RoundLog, temperatures=None, thresholds=None) -> list[dict]:
+def threshold_sweep(log: RoundLog, temperatures=None, thresholds=None, biases=None) -> list[dict]:
     """Offline static-threshold policy from fixed-policy rollouts (paper Fig. 5).
 
     For threshold h a round verifies l = the drafts before the first position whose own calibrated
-    confidence c_k < h (as `scheduling.threshold_schedule`); it would then accept min(accepted, l) drafts,
+    confidence c_k = sigmoid(logit_k / t_k + b_k) < h (as `scheduling.threshold_schedule`); it would then
+    accept min(accepted, l) drafts,
     because verification decides position i from positions <= i only. Returns per threshold: tau and the
     tokens verified per round (l + 1, the anchor included).
     """
@@ -103,7 +104,7 @@ def threshold_sweep(log: RoundLog, temperatures=None, thresholds=None) -> list[d
         taus, verified = [], []
         for a, p, c, logits in zip(log.accepted, log.proposed, log.committed, log.confidence_logits):
             l = 0
-            while l < p and _sigmoid(logits[l] / _temp(temperatures, l)) >= h:
+            while l < p and _sigmoid(logits[l] / _temp(temperatures, l) + _bias(biases, l)) >= h:
                 l += 1
             kept = min(a, l)
             taus.append(kept + (1 if kept < a or c > a else 0))  # a stop token inside the drafts has no bonus
@@ -118,6 +119,12 @@ def _temp(temperatures, k: int) -> float:
     if temperatures is None:
         return 1.0
     return float(temperatures[min(k, len(temperatures) - 1)])
+
+
+def _bias(biases, k: int) -> float:
+    if biases is None:
+        return 0.0
+    return float(biases[min(k, len(biases) - 1)])
 
 
 def _sigmoid(x: float) -> float:
@@ -147,7 +154,7 @@ def resize_block(drafter, block_size: int | None) -> tuple[int, bool]:
 
     Shorter blocks are the drafter's own block truncated (the engine cuts it). A longer block reconfigures
     the drafter to draft more slots (DSpark / DFlash: more MASK slots; Eagle3: a longer chain) with the
-    last STS temperature repeated; results are flagged `block_size_extrapolated`.
+    last calibration temperature and bias repeated; results are flagged `block_size_extrapolated`.
     """
     gamma = drafter.block_size
     if block_size is None or block_size <= gamma:
@@ -158,10 +165,14 @@ def resize_block(drafter, block_size: int | None) -> tuple[int, bool]:
     if cfg.kind == "eagle3":
         drafter.config = dataclasses.replace(cfg, ttt_length=block_size)
     else:
-        temps = cfg.calibration_temperatures
-        if temps is not None:
-            temps = tuple(temps) + (temps[-1],) * (block_size - len(temps))
-        drafter.config = dataclasses.replace(cfg, block_size=block_size, calibration_temperatures=temps)
+        def extend(values):
+            return None if values is None else tuple(values) + (values[-1],) * (block_size - len(values))
+
+        drafter.config = dataclasses.replace(
+            cfg, block_size=block_size, calibration_temperatures=extend(cfg.calibration_temperatures),
+            calibration_temperatures_greedy=extend(cfg.calibration_temperatures_greedy),
+            calibration_biases=extend(cfg.calibration_biases),
+            calibration_biases_greedy=extend(cfg.calibration_biases_greedy))
     return block_size, True
 
 

@@ -271,21 +271,37 @@ def read_rounds(path) -> list[RoundRecord]:
     return out
 
 
-def refit_temperatures(records: Sequence[RoundRecord], temperatures: Sequence[float], *, min_rounds: int = 50):
-    """STS refit from rounds recorded online. The recorded c_k = sigmoid(raw_k / t_k) were produced with
-    `temperatures` t, so logit(c_k) = raw_k / t_k; fitting t'_k on those logits gives sigmoid(raw_k / (t_k t'_k)),
-    and the new temperatures are t_k * t'_k. Positions with fewer than `min_rounds` rounds keep t_k.
+def refit_calibration(records: Sequence[RoundRecord], temperatures: Sequence[float],
+                      biases: Sequence[float] | None = None, *, method: str = "platt", min_rounds: int = 50):
+    """Refit from rounds recorded online. The recorded c_k = sigmoid(raw_k / t_k + b_k) were produced with
+    the calibration (t, b) being served, so logit(c_k) = raw_k / t_k + b_k; a fit (t', b') on those logits gives
+    sigmoid(raw_k / (t_k t'_k) + b_k / t'_k + b'_k): the new calibration is t_k t'_k and b_k / t'_k + b'_k.
+    `method` "platt" fits both, "sts" the temperatures alone (b' = 0). Positions with fewer than `min_rounds`
+    rounds keep (t_k, b_k).
 
-    Returns (temperatures, table): the table is `dspark_core.calibration.calibration_table` on the recorded
+    Returns (Calibration, table): the table is `dspark_core.calibration.calibration_table` on the recorded
     rounds, before (the recorded confidences) and after (the refit)."""
-    from .calibration import RolloutRecords, calibration_table, fit_sts
+    from .calibration import Calibration, RolloutRecords, calibration_table, fit_calibration
 
     if not records:
         raise InvalidArgument("rounds", 0, "must hold at least one recorded round")
     gamma = len(temperatures)
+    biases = [0.0] * gamma if biases is None else list(biases)
+    if len(biases) != gamma:
+        raise InvalidArgument("biases", len(biases), f"must match the temperatures ({gamma})")
     logits = [[math.log(min(max(c, _EPS), 1 - _EPS) / (1 - min(max(c, _EPS), 1 - _EPS))) for c in r.confidences[:gamma]]
               for r in records]
     rr = RolloutRecords.from_rounds(logits, [min(r.accepted, gamma) for r in records], gamma=gamma)
-    scale = fit_sts(rr, min_rounds=min_rounds)
-    table = calibration_table(rr, None, scale)
-    return tuple(float(t) * float(s) for t, s in zip(temperatures, scale)), table
+    fit = fit_calibration(rr, method, min_rounds=min_rounds)
+    table = calibration_table(rr, None, fit)
+    db = fit.bias_list()
+    temps = tuple(float(t) * float(s) for t, s in zip(temperatures, fit.temperatures))
+    new_b = tuple(float(b) / float(s) + d for b, s, d in zip(biases, fit.temperatures, db))
+    return Calibration(temps, new_b), table
+
+
+def refit_temperatures(records: Sequence[RoundRecord], temperatures: Sequence[float], *, min_rounds: int = 50):
+    """STS refit (temperatures alone) of rounds served with `temperatures` and no biases: (temperatures, table).
+    See `refit_calibration`."""
+    calib, table = refit_calibration(records, temperatures, None, method="sts", min_rounds=min_rounds)
+    return calib.temperatures, table

@@ -202,10 +202,12 @@ def sweep_results(results: list[dict], thresholds=None, block_size: int | None =
                 continue
             lg = log_from_json(r["rollouts"])
             temps = r.get("calibration_temperatures") or [1.0]
+            biases = r.get("calibration_biases") or [0.0]
             pooled.accepted += lg.accepted
             pooled.proposed += lg.proposed
             pooled.committed += lg.committed
-            pooled.confidence_logits += [[x / temps[min(k, len(temps) - 1)] for k, x in enumerate(row)]
+            pooled.confidence_logits += [[x / temps[min(k, len(temps) - 1)] + biases[min(k, len(biases) - 1)]
+                                          for k, x in enumerate(row)]
                                          for row in lg.confidence_logits]
         if pooled.rounds:
             out[name] = threshold_sweep(pooled, None, thresholds)

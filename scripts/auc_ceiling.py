@@ -82,10 +82,11 @@ def main() -> None:
     alpha, conf = np.concatenate(alphas), np.concatenate(logits)
     rng = np.random.default_rng(args.seed)
     # survival view: P(first k accepted) ~ prod_{i<=k} alpha_i along the teacher-forced path, against the head's
-    # calibrated a_k = prod sigmoid(c_i / t_i)
+    # calibrated a_k = prod sigmoid(c_i / t_i + b_i)
     temps = np.asarray(drafter.config.sts_temperatures, dtype=np.float64)
+    biases = np.asarray(drafter.config.calibration_bias_values, dtype=np.float64)
     surv_alpha = np.cumprod(alpha, axis=1)
-    surv_head = np.cumprod(1.0 / (1.0 + np.exp(-conf / temps)), axis=1)
+    surv_head = np.cumprod(1.0 / (1.0 + np.exp(-(conf / temps + biases))), axis=1)
     rows = []
     for k in range(drafter.block_size):
         a, c = alpha[:, k], conf[:, k]

@@ -13,7 +13,9 @@ algorithms.md section 6), either as a `calibration` block of `config.json` or as
 
     {"method": "sts", "temperatures": [t_1, ..., t_gamma], "greedy": {"temperatures": [...]}}
 
-(the optional `greedy` section calibrates the greedy confidence output, our extension).
+Our extensions: the optional `greedy` section calibrates the greedy confidence output, and method
+"platt" adds a bias per slot beside each temperature (`"biases": [b_1, ..., b_gamma]`, at the top level
+and in `greedy`), c_k = sigmoid(logit_k / t_k + b_k); missing biases are 0.
 
 It knows nothing about weights, tensors or devices.
 """
@@ -36,7 +38,8 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 CONFIG_FILE = "config.json"
 CALIBRATION_FILE = "calibration.json"
 MAX_BLOCK_SIZE = 64
-_KEEP = object()  # with_calibration: leave the greedy temperatures as they are
+_KEEP = object()  # with_calibration: leave the greedy calibration as it is
+CALIBRATION_METHODS = ("sts", "platt")
 
 # Keys of config.json that DrafterConfig owns; everything else is kept verbatim in `extra`.
 _OWNED_KEYS = frozenset({
@@ -112,6 +115,9 @@ class DrafterConfig:
     calibration_temperatures: tuple[float, ...] | None = None
     # STS of the greedy confidence output (calibration.json "greedy" section), None = all 1.0
     calibration_temperatures_greedy: tuple[float, ...] | None = None
+    # Platt biases beside those temperatures (method "platt"), None = all 0
+    calibration_biases: tuple[float, ...] | None = None
+    calibration_biases_greedy: tuple[float, ...] | None = None
     # config.json keys this class does not model, written back unchanged
     extra: Mapping[str, object] = field(default_factory=dict, compare=False, repr=False)
 
@@ -143,6 +149,15 @@ class DrafterConfig:
                 raise InvalidArgument(name, temps, f"must be a tuple of {self.gamma} temperatures (one per draft slot)")
             for t in temps:
                 _require_positive_float(name, t)
+        for name, biases in (("calibration.biases", self.calibration_biases),
+                             ("calibration.greedy.biases", self.calibration_biases_greedy)):
+            if biases is None:
+                continue
+            if not isinstance(biases, tuple) or len(biases) != self.gamma:
+                raise InvalidArgument(name, biases, f"must be a tuple of {self.gamma} biases (one per draft slot)")
+            for b in biases:
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+                    raise InvalidArgument(name, b, "must be a finite number")
         _require_int("draft_vocab_size", self.draft_vocab_size, low=0, high=self.vocab_size)
         if self.target_tensors not in (None, TARGET_TENSORS_REFERENCED):
             raise InvalidArgument("target_tensors", self.target_tensors,
@@ -214,6 +229,15 @@ class DrafterConfig:
         return self.calibration_temperatures_greedy or (1.0,) * self.gamma
 
     @property
+    def calibration_bias_values(self) -> tuple[float, ...]:
+        """Platt biases of the (sampled) confidence head, all 0 under STS."""
+        return self.calibration_biases or (0.0,) * self.gamma
+
+    @property
+    def calibration_bias_values_greedy(self) -> tuple[float, ...]:
+        return self.calibration_biases_greedy or (0.0,) * self.gamma
+
+    @property
     def output_size(self) -> int:
         """Logits per slot: the draft vocabulary's size, or the whole vocabulary without one."""
         return self.draft_vocab_size or self.vocab_size
@@ -223,14 +247,22 @@ class DrafterConfig:
         with_markov = self.confidence_head_with_markov and self.markov_rank > 0
         return self.hidden_size + (self.markov_rank if with_markov else 0)
 
-    def with_calibration(self, temperatures, greedy=_KEEP) -> DrafterConfig:
-        """Install STS temperatures: `temperatures` for the (sampled) confidence head and, if given, `greedy`
-        for the greedy output (default: keep the current ones); None = all 1.0."""
-        temps = None if temperatures is None else tuple(float(t) for t in temperatures)
+    def with_calibration(self, temperatures, greedy=_KEEP, *, biases=None, greedy_biases=_KEEP) -> DrafterConfig:
+        """Install a calibration: `temperatures` (and Platt `biases`, None = all 0) for the (sampled)
+        confidence head and, if given, `greedy` / `greedy_biases` for the greedy output (default: keep the
+        current ones); temperatures None = all 1.0."""
+        def tup(x):
+            return None if x is None else tuple(float(v) for v in x)
+
         if greedy is _KEEP:
             greedy = self.calibration_temperatures_greedy
-        greedy = None if greedy is None else tuple(float(t) for t in greedy)
-        return dataclasses.replace(self, calibration_temperatures=temps, calibration_temperatures_greedy=greedy)
+            if greedy_biases is _KEEP:
+                greedy_biases = self.calibration_biases_greedy
+        elif greedy_biases is _KEEP:
+            greedy_biases = None
+        return dataclasses.replace(self, calibration_temperatures=tup(temperatures),
+                                   calibration_temperatures_greedy=tup(greedy), calibration_biases=tup(biases),
+                                   calibration_biases_greedy=tup(greedy_biases))
 
     # ---- config.json ----------------------------------------------------------------------------
 
@@ -295,6 +327,8 @@ class DrafterConfig:
             target_tensors=d.get("target_tensors"),
             calibration_temperatures=None if calib is None else parse_calibration(calib),
             calibration_temperatures_greedy=None if calib is None else parse_greedy_calibration(calib),
+            calibration_biases=None if calib is None else parse_calibration_biases(calib),
+            calibration_biases_greedy=None if calib is None else parse_calibration_biases(calib, greedy=True),
             extra={k: v for k, v in d.items() if k not in _OWNED_KEYS},
         )
         return cls(**kwargs)
@@ -337,21 +371,45 @@ class DrafterConfig:
         if self.target_tensors:
             optional["target_tensors"] = self.target_tensors
         if self.calibration_temperatures is not None:
-            optional["calibration"] = {"method": "sts", "temperatures": list(self.calibration_temperatures)}
+            block = {"method": "platt" if self.calibration_biases else "sts",
+                     "temperatures": list(self.calibration_temperatures)}
+            if self.calibration_biases:
+                block["biases"] = list(self.calibration_biases)
             if self.calibration_temperatures_greedy is not None:
-                optional["calibration"]["greedy"] = {"temperatures": list(self.calibration_temperatures_greedy)}
+                block["greedy"] = {"temperatures": list(self.calibration_temperatures_greedy)}
+                if self.calibration_biases_greedy:
+                    block["greedy"].update(method="platt", biases=list(self.calibration_biases_greedy))
+            optional["calibration"] = block
         d.update({k: v for k, v in optional.items() if v is not None})
         return d
 
 
 def parse_calibration(block: object) -> tuple[float, ...]:
-    """STS temperatures from a `{"method": "sts", "temperatures": [...]}` block."""
+    """Calibration temperatures from a `{"method": "sts" | "platt", "temperatures": [...]}` block."""
     if not isinstance(block, Mapping):
         raise InvalidArgument("calibration", block, 'must be an object {"method": "sts", "temperatures": [...]}')
     method = block.get("method", "sts")
-    if method != "sts":
-        raise InvalidArgument("calibration.method", method, "must be 'sts'")
+    if method not in CALIBRATION_METHODS:
+        raise InvalidArgument("calibration.method", method, f"must be one of {list(CALIBRATION_METHODS)}")
     return _temperature_list("calibration.temperatures", block.get("temperatures"))
+
+
+def parse_calibration_biases(block: Mapping, greedy: bool = False) -> tuple[float, ...] | None:
+    """The optional Platt `"biases"` of a calibration block (or of its `greedy` section); None when absent.
+    They must match the temperatures' length."""
+    name = "calibration.greedy" if greedy else "calibration"
+    section = block.get("greedy") if greedy else block
+    if not isinstance(section, Mapping) or section.get("biases") is None:
+        return None
+    biases, temps = section["biases"], section.get("temperatures")
+    if not isinstance(biases, list) or not biases:
+        raise InvalidArgument(f"{name}.biases", biases, "must be a non-empty list of numbers")
+    for b in biases:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise InvalidArgument(f"{name}.biases", b, "must be a finite number")
+    if isinstance(temps, list) and len(temps) != len(biases):
+        raise InvalidArgument(f"{name}.biases", len(biases), f"must have one bias per temperature ({len(temps)})")
+    return tuple(float(b) for b in biases)
 
 
 def _temperature_list(name: str, temps: object) -> tuple[float, ...]:
@@ -399,7 +457,9 @@ def load_config(path: str | Path, calibration_file: str | Path | None = None) ->
     if calib_path.is_file():
         try:
             block = _read_json(calib_path)
-            config = config.with_calibration(parse_calibration(block), parse_greedy_calibration(block))
+            config = config.with_calibration(parse_calibration(block), parse_greedy_calibration(block),
+                                             biases=parse_calibration_biases(block),
+                                             greedy_biases=parse_calibration_biases(block, greedy=True))
         except InvalidArgument as exc:
             raise ModelLoadError(f"{calib_path}: {exc}") from exc
     return config

@@ -8,7 +8,8 @@ One round for a batch of requests (`propose`):
 3. gamma tiny sequential steps over the whole batch: `logits_k = U_k + B_k(x_{k-1}, ...)`, choose x_k
    (argmax at T = 0, else top-k truncated sampling of softmax(logits_k / T)), confidence logit
    `c_k([h_k ; W1[x_{k-1}]])`. The heads always consume the token actually chosen (sampled) at k-1.
-Calibrated confidences are `sigmoid(c_k / t_k)` with the config's STS temperatures.
+Calibrated confidences are `sigmoid(c_k / t_k + b_k)` with the config's calibration (STS temperatures; the
+biases b_k are 0 unless it was fitted by Platt scaling).
 
 `training_forward` computes teacher-forced logits and confidence logits for many anchors per sequence
 with a dense block mask (no loss: that belongs to the trainer).
@@ -109,27 +110,32 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
     def new_state(self) -> DSparkState:
         return DSparkState(KVCache(len(self.layers)))
 
-    def set_calibration(self, temperatures) -> None:
-        """Install STS temperatures (one per slot; None = all 1.0)."""
-        self.config = self.config.with_calibration(temperatures)
+    def set_calibration(self, temperatures, biases=None) -> None:
+        """Install a calibration of the sampled confidence head: temperatures (one per slot; None = all 1.0)
+        and Platt biases (None = all 0)."""
+        self.config = self.config.with_calibration(temperatures, biases=biases)
 
     @torch.no_grad()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = self.draft(items)
-        conf_logits, temps = out.confidence_logits, self._sts_tensor(self.config.sts_temperatures)
+        cfg = self.config
+        conf_logits = out.confidence_logits
+        temps, biases = self._sts_tensor(cfg.sts_temperatures), self._sts_tensor(cfg.calibration_bias_values)
         if out.greedy_confidence_logits is not None:
             # temperature-0 requests are accepted by argmax agreement: their confidences come from the greedy
             # output with its own calibration
             greedy = [it.temperature == 0 for it in items]
+            g_temps = self._sts_tensor(cfg.sts_temperatures_greedy)
+            g_biases = self._sts_tensor(cfg.calibration_bias_values_greedy)
             if all(greedy):
-                conf_logits, temps = out.greedy_confidence_logits, self._sts_tensor(self.config.sts_temperatures_greedy)
+                conf_logits, temps, biases = out.greedy_confidence_logits, g_temps, g_biases
             elif any(greedy):
                 rows = torch.tensor(greedy, device=conf_logits.device)[:, None]
                 conf_logits = torch.where(rows, out.greedy_confidence_logits, conf_logits)
-                temps = torch.where(rows, self._sts_tensor(self.config.sts_temperatures_greedy), temps)
+                temps, biases = torch.where(rows, g_temps, temps), torch.where(rows, g_biases, biases)
         if conf_logits is not None:
             conf_logits = conf_logits.float()  # [B, gamma]
-        confidences = None if conf_logits is None else torch.sigmoid(conf_logits / temps)
+        confidences = None if conf_logits is None else torch.sigmoid(conf_logits / temps + biases)
         proposals = []
         for i, (it, toks) in enumerate(zip(items, out.tokens.tolist())):
             sampled = it.temperature > 0
@@ -144,7 +150,8 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         return proposals
 
     def _sts_tensor(self, temperatures: tuple[float, ...]) -> torch.Tensor:
-        """[gamma] float32 tensor of STS temperatures on the drafter's device (cached per tuple)."""
+        """[gamma] float32 tensor of calibration values (temperatures or biases) on the drafter's device
+        (cached per tuple)."""
         cache = self.__dict__.setdefault("_sts_cache", {})
         if temperatures not in cache:
             if len(cache) > 8:

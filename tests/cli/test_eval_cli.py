@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from dspark_cli.main import main
@@ -111,7 +112,9 @@ def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp
     assert r["unfitted_positions"] == [] and r["table_on"].startswith("held-out")
     assert {"ece_survival_raw", "ece_survival_sts", "auc_survival", "auc_conditional"} <= set(r["table"][0])
     assert all(0 <= row["ece_survival_floor"] <= 1 for row in r["table"] if row["rounds"])
+    assert r["method"] == "platt" and len(r["biases"]) == 4
     assert load_drafter(d).config.sts_temperatures == tuple(r["temperatures"])
+    assert load_drafter(d).config.calibration_bias_values == tuple(r["biases"])
     assert all((tmp_path / "p" / f).stat().st_size > 0
                for f in ("reliability_before.png", "reliability_after.png"))
     assert r["samples"] == 2 and r["seeds"] == [0, 1]
@@ -123,6 +126,16 @@ def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp
           "--dry-run"])
     single = json.loads(capsys.readouterr().out)
     assert single["samples"] == 1 and single["rounds_fit"] < r["rounds_fit"]
+    # the paper's STS: temperatures alone; the rounds saved for offline study hold what was fitted and checked
+    main(["calibrate", "--prompt-ids-file", str(ids_file), "--drafter-path", str(d), "--samples", "1",
+          "--target", str(shared_fixtures / "target"), "--max-new-tokens", "16", "--min-rounds", "5", "--json",
+          "--method", "sts", "--save-rounds", str(tmp_path / "rounds.npz"), "--out", str(tmp_path / "sts")])
+    sts = json.loads(capsys.readouterr().out)
+    assert sts["method"] == "sts" and sts["biases"] == [0.0] * 4
+    assert "biases" not in json.loads((tmp_path / "sts" / "calibration.json").read_text())
+    saved = np.load(tmp_path / "rounds.npz")
+    assert saved["logits"].shape == (sts["rounds_fit"] + sts["rounds_check"], 4)
+    assert (saved["accepted"] <= saved["proposed"]).all() and saved["prompt_index"].shape == saved["accepted"].shape
     assert main(["calibrate", "--prompt-ids-file", str(ids_file), "--drafter-path", str(d), "--samples", "0",
                  "--target", str(shared_fixtures / "target")]) == 2
     assert "--samples" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""STS calibration: ECE / AUC on hand examples, STS on synthetic miscalibrated rollouts, calibration.json round trip."""
+"""Calibration: ECE / AUC on hand examples, STS and Platt scaling on synthetic miscalibrated rollouts,
+calibration.json round trip."""
 
 from __future__ import annotations
 
@@ -78,14 +79,14 @@ def test_records_exclude_positions_not_proposed():
         cal.RolloutRecords.from_rounds([[1.0]], accepted=[2])
 
 
-def synthetic_records(n=6000, gamma=4, overconfidence=3.0, seed=0):
-    """True per-position acceptance p_k = sigmoid(z); the head reports logit overconfidence * z."""
+def synthetic_records(n=6000, gamma=4, overconfidence=3.0, seed=0, shift=0.0):
+    """True per-position acceptance p_k = sigmoid(z); the head reports logit overconfidence * z + shift."""
     rng = np.random.default_rng(seed)
     z = rng.normal(0.3, 1.2, size=(n, gamma))
     p = 1 / (1 + np.exp(-z))
     ok = rng.random((n, gamma)) < p
     accepted = np.where(ok.all(axis=1), gamma, np.argmin(ok, axis=1))
-    return cal.RolloutRecords(overconfidence * z, np.full(n, gamma), accepted.astype(np.int64))
+    return cal.RolloutRecords(overconfidence * z + shift, np.full(n, gamma), accepted.astype(np.int64))
 
 
 def test_sts_reduces_ece_and_keeps_conditional_ranking():
@@ -130,3 +131,73 @@ def test_positions_with_too_few_rounds_keep_temperature_one():
     short = cal.RolloutRecords(rec.logits, np.where(np.arange(300) < 40, 4, 1), np.minimum(rec.accepted, 1))
     temps = cal.fit_sts(short, min_rounds=50)
     assert temps[1:] == (1.0, 1.0, 1.0) and temps[0] != 1.0
+
+
+def test_platt_removes_a_shift_that_sts_cannot():
+    """A head over-confident by +1.2 in logit space (right scale, wrong centre): no temperature fixes it, a
+    bias does; the fit recovers (t, b) ~ (1, -1.2) at the identified positions, is out of sample better than
+    STS, and keeps the conditional ranking."""
+    rec = synthetic_records(n=8000, overconfidence=1.0, shift=1.2, seed=3)
+    check = synthetic_records(n=8000, overconfidence=1.0, shift=1.2, seed=4)
+    platt = cal.fit_platt(rec, min_rounds=50)
+    assert platt.method == "platt" and len(platt.biases) == rec.gamma
+    for t, b in zip(platt.temperatures[:2], platt.biases[:2]):
+        assert 0.85 < t < 1.15 and -1.45 < b < -0.95, (platt.temperatures, platt.biases)
+    sts = cal.fit_sts(rec, min_rounds=50)
+    t_platt = cal.calibration_table(check, None, platt)
+    t_sts = cal.calibration_table(check, None, sts)
+    # Platt within a point of the sampling-noise floor at position 1, STS several points off it
+    assert t_platt[0]["ece_survival_sts"] < t_platt[0]["ece_survival_floor"] + 0.01
+    assert t_sts[0]["ece_survival_sts"] > 0.05
+    assert sum(r["ece_survival_sts"] for r in t_platt) < sum(r["ece_survival_sts"] for r in t_sts)
+    for k in range(1, rec.gamma + 1):
+        raw, y = cal.position_view(check, k, None, "conditional")
+        fitted, _ = cal.position_view(check, k, platt, "conditional")
+        assert cal.roc_auc(raw, y) == pytest.approx(cal.roc_auc(fitted, y), abs=1e-12)
+
+
+def test_platt_leaves_a_calibrated_head_alone_and_stays_finite_on_one_class():
+    calib = cal.fit_platt(synthetic_records(overconfidence=1.0, seed=5))
+    assert all(0.85 < t < 1.15 for t in calib.temperatures[:2]) and all(abs(b) < 0.15 for b in calib.biases[:2])
+    # every draft accepted: the likelihood wants b -> +inf; the one-round prior keeps it finite and in range
+    rec = cal.RolloutRecords(np.full((200, 3), 0.5), np.full(200, 3), np.full(200, 3))
+    calib = cal.fit_platt(rec)
+    assert all(np.isfinite(calib.temperatures)) and all(0 < b <= cal.B_RANGE[1] for b in calib.biases)
+    assert cal.conditional_confidences(rec, calib)[0, 0] > 0.95
+    # too few rounds: identity kept
+    few = cal.fit_platt(cal.RolloutRecords(np.zeros((10, 2)), np.full(10, 2), np.ones(10, dtype=np.int64)),
+                        min_rounds=50)
+    assert few.temperatures == (1.0, 1.0) and few.biases is None and few.method == "sts"
+    with pytest.raises(InvalidArgument, match="method"):
+        cal.fit_calibration(rec, "isotonic")
+
+
+def test_calibration_values_are_checked():
+    with pytest.raises(InvalidArgument, match="biases"):
+        cal.Calibration((1.0, 1.0), (0.0,))
+    with pytest.raises(InvalidArgument, match="biases"):
+        cal.Calibration((1.0,), (float("inf"),))
+    with pytest.raises(InvalidArgument, match="temperatures"):
+        cal.Calibration((0.0,))
+
+
+def test_write_platt_calibration_round_trips_through_load_drafter(shared_fixtures, tmp_path):
+    from dspark_core.drafters import load_drafter
+
+    d = tmp_path / "dspark"
+    d.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(shared_fixtures / "dspark" / f, d / f)
+    calib = cal.Calibration((1.5, 0.8, 2.0, 1.0), (-0.3, 0.0, 0.2, 0.1))
+    body = json.loads(cal.write_calibration(d, calib).read_text())
+    assert body["method"] == "platt" and body["biases"] == [-0.3, 0.0, 0.2, 0.1]
+    config = load_drafter(d).config
+    assert config.sts_temperatures == (1.5, 0.8, 2.0, 1.0)
+    assert config.calibration_bias_values == (-0.3, 0.0, 0.2, 0.1)
+    # a greedy-regime write keeps the sampled Platt calibration, and vice versa
+    cal.write_calibration(d, cal.Calibration((0.5,) * 4, (1.0,) * 4), greedy=True)
+    body = json.loads((d / "calibration.json").read_text())
+    assert body["biases"] == [-0.3, 0.0, 0.2, 0.1] and body["greedy"]["biases"] == [1.0] * 4
+    cal.write_calibration(d, [2.0] * 4)
+    config = load_drafter(d).config
+    assert config.calibration_bias_values == (0.0,) * 4 and config.calibration_bias_values_greedy == (1.0,) * 4

@@ -87,11 +87,12 @@ def test_resize_block_flags_extrapolation(shared_fixtures):
     from dspark_core.drafters import load_drafter
 
     drafter = load_drafter(shared_fixtures / "dspark")
-    drafter.set_calibration([1.0, 2.0, 3.0, 4.0])
+    drafter.set_calibration([1.0, 2.0, 3.0, 4.0], [0.0, 0.5, 0.0, -1.0])
     assert resize_block(drafter, None) == (4, False)
     assert resize_block(drafter, 2) == (2, False)
     assert resize_block(drafter, 6) == (6, True)
     assert drafter.block_size == 6 and drafter.config.sts_temperatures == (1.0, 2.0, 3.0, 4.0, 4.0, 4.0)
+    assert drafter.config.calibration_bias_values == (0.0, 0.5, 0.0, -1.0, -1.0, -1.0)
 
 
 def test_head_cost_reports_medians_and_shares(fixture_stack):

@@ -171,3 +171,31 @@ def test_bad_settings_and_samples_are_refused():
     live = OnlineSpsTable(PRIOR)
     assert not live.observe(0, 0.1) and not live.observe(4, float("nan")) and not live.observe(4, -1.0)
     assert live.rejected == 3 and live.accepted == 0
+
+
+def test_online_platt_refit_composes_with_the_served_calibration():
+    """Rounds served with (t, b) = (0.5, +1.0) while the truth is sigmoid(raw): the refit on the recorded
+    confidences returns about (1, 0) on the raw logits, i.e. t * t' and b / t' + b' undo the served pair."""
+    import math
+
+    from dspark_core.monitoring import refit_calibration, refit_temperatures
+
+    rng = random.Random(7)
+    served_t, served_b = (0.5, 0.5), (1.0, 1.0)
+    records = []
+    for _ in range(6000):
+        raw = [rng.gauss(0.3, 1.5) for _ in range(2)]
+        conf = tuple(1 / (1 + math.exp(-(z / t + b))) for z, t, b in zip(raw, served_t, served_b))
+        acc = 0
+        while acc < 2 and rng.random() < 1 / (1 + math.exp(-raw[acc])):
+            acc += 1
+        records.append(RoundRecord("d", conf, acc))
+    calib, table = refit_calibration(records, served_t, served_b, min_rounds=50)
+    t, b = calib.temperatures, calib.bias_list()
+    assert 0.85 < t[0] < 1.15 and abs(b[0]) < 0.15, (t, b)
+    assert table[0]["ece_survival_sts"] < table[0]["ece_survival_raw"]
+    # temperatures alone cannot undo the served bias
+    temps, sts_table = refit_temperatures(records, served_t, min_rounds=50)
+    assert sts_table[0]["ece_survival_sts"] > table[0]["ece_survival_sts"] + 0.02
+    with pytest.raises(InvalidArgument, match="biases"):
+        refit_calibration(records, served_t, (0.0,), min_rounds=50)

@@ -127,6 +127,38 @@ def test_greedy_confidence_output_serves_temperature_zero_requests(fixtures_dir,
         load_config(ckpt)
 
 
+def test_platt_biases_are_applied_per_regime_and_validated(fixtures_dir, reference, tmp_path):
+    """calibration.json's Platt biases: c_k = sigmoid(logit_k / t_k + b_k), each regime its own; a bad list
+    is refused naming the field; `to_dict` writes them back."""
+    ckpt, raw = _with_greedy_head(fixtures_dir, tmp_path)
+    ref = reference("dspark")
+    (ckpt / "calibration.json").write_text(json.dumps(
+        {"method": "platt", "temperatures": [2.0] * 4, "biases": [-0.5, 0.0, 0.25, 1.0],
+         "greedy": {"method": "platt", "temperatures": [0.5, 1.0, 4.0, 1.0], "biases": [1.0, -1.0, 0.0, 0.5]}}))
+    d = load_drafter(ckpt)
+    assert d.config.calibration_bias_values == (-0.5, 0.0, 0.25, 1.0)
+    g, s = d.propose([_item(d, ref), dataclasses.replace(_item(d, ref), temperature=1.0,
+                                                         generator=torch.Generator().manual_seed(3))])
+    torch.testing.assert_close(g.confidences, torch.sigmoid(g.confidence_logits / torch.tensor([0.5, 1, 4, 1])
+                                                            + torch.tensor([1.0, -1.0, 0.0, 0.5])))
+    torch.testing.assert_close(s.confidences, torch.sigmoid(s.confidence_logits / 2.0
+                                                            + torch.tensor([-0.5, 0.0, 0.25, 1.0])))
+    block = d.config.to_dict()["calibration"]
+    assert block["method"] == "platt" and block["biases"] == [-0.5, 0.0, 0.25, 1.0]
+    assert block["greedy"]["biases"] == [1.0, -1.0, 0.0, 0.5]
+    d.set_calibration([1.0] * 4)  # a new sampled calibration without biases: STS, the greedy one is kept
+    assert d.config.calibration_bias_values == (0.0,) * 4
+    assert d.config.calibration_bias_values_greedy == (1.0, -1.0, 0.0, 0.5)
+    for bad, field in (({"biases": [0.0, 1.0]}, "calibration.biases"),
+                       ({"biases": [0.0, "x", 0.0, 0.0]}, "calibration.biases"),
+                       ({"biases": [0.0, float("nan"), 0.0, 0.0]}, "calibration.biases"),
+                       ({"greedy": {"temperatures": [1.0] * 4, "biases": [True, 0, 0, 0]}}, "calibration.greedy.biases"),
+                       ({"method": "isotonic"}, "calibration.method")):
+        (ckpt / "calibration.json").write_text(json.dumps({"method": "platt", "temperatures": [1.0] * 4, **bad}))
+        with pytest.raises(ModelLoadError, match=field.replace(".", r"\.")):
+            load_config(ckpt)
+
+
 def test_write_calibration_keeps_the_other_regime(tmp_path):
     from dspark_core.calibration import write_calibration
 
