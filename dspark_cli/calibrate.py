@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--save-rounds", default=None, metavar="FILE.npz",
                    help="also write the rollout rounds (raw confidence logits, proposed, accepted, prompt index) "
                         "here, to refit or study offline without running the models again")
+    p.add_argument("--from-rounds", default=None, metavar="FILE.npz",
+                   help="refit from the rounds a --save-rounds run wrote (another --method, all rounds with "
+                        "--no-holdout) instead of running rollouts; no --dataset, no model is loaded")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="directory to write calibration.json to (default: the drafter's install location: beside a "
                         "drafter of your own, $DSPARK_HOME/models/NAME for a shipped one; the commands and services "
@@ -125,10 +128,23 @@ def run_online(args) -> int:
 
 
 def run(args) -> int:
-    import torch
-
     if args.online:
         return run_online(args)
+    if args.from_rounds:
+        collected = load_saved_rounds(args)
+    else:
+        collected = collect_rounds(args)
+    return fit_and_report(args, **collected)
+
+
+# what a saved rounds file carries besides the arrays, so a refit from it reports like the run that made it
+_RUN_KEYS = ("drafter", "datasets", "split", "num_prompts", "temperature", "max_new_tokens", "samples", "seeds",
+             "drafter_matmul_dtype", "confidence_output")
+
+
+def collect_rounds(args) -> dict:
+    """Fixed-policy rollouts on the eval split: the records and what describes the run."""
+    import torch
 
     from dspark_core import calibration as cal
     from dspark_core.drafters.layers import matmul_dtype_name
@@ -156,38 +172,102 @@ def run(args) -> int:
         log.extend(rollouts(args.seed + j))
     records = cal.RolloutRecords.from_rounds(log.confidence_logits, log.accepted, log.proposed,
                                              gamma=drafter.block_size)
-    odd = np.asarray(log.prompt_index) % 2 == 1
+    run_info = {"drafter": Path(path).name, "datasets": [s["dataset"] for s in sets], "split": sets[0]["split"],
+                "num_prompts": len(prompts), "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                "samples": samples, "seeds": list(range(args.seed, args.seed + samples)),
+                "drafter_matmul_dtype": matmul_dtype_name(drafter),
+                "confidence_output": "greedy" if greedy else "sampled"}
+    prompt_index = np.asarray(log.prompt_index, dtype=np.int64)
     if args.save_rounds:
         out_rounds = Path(args.save_rounds)
         out_rounds.parent.mkdir(parents=True, exist_ok=True)
         np.savez_compressed(out_rounds, logits=records.logits, proposed=records.proposed,
-                            accepted=records.accepted, prompt_index=np.asarray(log.prompt_index, dtype=np.int64),
-                            temperature=np.float64(args.temperature), greedy_output=np.bool_(greedy))
+                            accepted=records.accepted, prompt_index=prompt_index,
+                            run=np.array(json.dumps(run_info)))
+    return {"records": records, "prompt_index": prompt_index, "path": path, "greedy": greedy, "run_info": run_info}
+
+
+def load_saved_rounds(args) -> dict:
+    """The rounds a `--save-rounds` run wrote; no model is loaded. They must be this drafter's (its block)."""
+    from dspark_core import calibration as cal
+    from dspark_core.drafters.config import load_config
+
+    from .models import find_generated, resolve_drafter_path
+
+    if args.dataset or args.prompt_ids_file:
+        raise InvalidArgument("--from-rounds", args.from_rounds, "refits saved rounds; give no --dataset with it")
+    path = resolve_drafter_path(args.drafter, args.drafter_path)
+    if path is None:
+        raise InvalidArgument("--drafter", None, "is required (a shipped name or --drafter-path DIR)")
+    config = load_config(Path(path), find_generated(path, "calibration.json"))
+    if not config.enable_confidence_head:
+        raise InvalidArgument("--drafter", Path(path).name, "has no confidence head; only DSpark drafters calibrate")
+    try:
+        with np.load(args.from_rounds, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in ("logits", "proposed", "accepted", "prompt_index", "run")}
+        run_info = json.loads(str(arrays["run"]))
+        records = cal.RolloutRecords(arrays["logits"].astype(np.float64), arrays["proposed"].astype(np.int64),
+                                     arrays["accepted"].astype(np.int64))
+    except (OSError, KeyError, ValueError, InvalidArgument) as exc:
+        raise InvalidArgument("--from-rounds", args.from_rounds,
+                              f"must be a rounds file written by --save-rounds ({exc})") from None
+    if not isinstance(run_info, dict) or records.gamma != config.gamma \
+            or arrays["prompt_index"].shape != records.proposed.shape:
+        raise InvalidArgument("--from-rounds", args.from_rounds,
+                              f"holds rounds of {records.gamma} positions; drafter {Path(path).name} drafts "
+                              f"{config.gamma}")
+    run_info = {k: run_info.get(k) for k in _RUN_KEYS}
+    run_info["rounds_file"] = str(args.from_rounds)
+    greedy = run_info.get("confidence_output") == "greedy"
+    if greedy and not config.greedy_confidence_head:
+        raise InvalidArgument("--from-rounds", args.from_rounds,
+                              f"holds greedy-output rounds; drafter {Path(path).name} has no greedy output")
+    return {"records": records, "prompt_index": arrays["prompt_index"].astype(np.int64), "path": path,
+            "greedy": greedy, "run_info": run_info}
+
+
+def fit_and_report(args, records, prompt_index, path, greedy: bool, run_info: dict) -> int:
+    from dspark_core import calibration as cal
+
+    odd = prompt_index % 2 == 1
     holdout = not args.no_holdout and odd.any() and (~odd).any()
     fit_on = records.subset(~odd) if holdout else records
     check_on = records.subset(odd) if holdout else records
     calib = cal.fit_calibration(fit_on, args.method, min_rounds=args.min_rounds)
     temps = calib.temperatures
     table = cal.calibration_table(check_on, None, calib)
+    if holdout:
+        # the other fold too (fit on odd prompts, check on even): the mean of both is the steadier estimate
+        # of what unseen prompts will see, with twice the held-out rounds
+        swapped = cal.calibration_table(fit_on, None, cal.fit_calibration(check_on, args.method,
+                                                                          min_rounds=args.min_rounds))
+        for row, other in zip(table, swapped):
+            row["ece_survival_other_fold"] = other["ece_survival_sts"]
+            row["ece_survival_cv"] = 0.5 * (row["ece_survival_sts"] + other["ece_survival_sts"])
     result = {
         "drafter": Path(path).name, "drafter_path": str(path), "method": calib.method,
         "temperatures": list(temps), "biases": calib.bias_list(),
         "confidence_output": "greedy" if greedy else "sampled",
-        "datasets": [s["dataset"] for s in sets], "split": sets[0]["split"], "num_prompts": len(prompts),
+        "datasets": run_info["datasets"], "split": run_info["split"], "num_prompts": run_info["num_prompts"],
         "rounds_fit": len(fit_on), "rounds_check": len(check_on),
         "table_on": "held-out half (odd prompts)" if holdout else "all rollouts (in sample)",
         "min_rounds": args.min_rounds,
         "unfitted_positions": [k + 1 for k in range(records.gamma)
                                if int((fit_on.proposed >= k + 1).sum()) < max(args.min_rounds, 1)],
-        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "samples": samples,
-        "seeds": list(range(args.seed, args.seed + samples)), "drafter_matmul_dtype": matmul_dtype_name(drafter),
+        "temperature": run_info["temperature"], "max_new_tokens": run_info["max_new_tokens"],
+        "samples": run_info["samples"], "seeds": run_info["seeds"],
+        "drafter_matmul_dtype": run_info["drafter_matmul_dtype"],
         "table": table,
     }
+    if "rounds_file" in run_info:
+        result["rounds_file"] = run_info["rounds_file"]
     if not args.dry_run:
         meta = {k: result[k] for k in ("datasets", "num_prompts", "rounds_fit", "rounds_check", "temperature",
                                        "max_new_tokens", "samples", "seeds", "drafter_matmul_dtype")}
         meta["ece_survival_raw"] = [r["ece_survival_raw"] for r in table]
         meta["ece_survival_sts"] = [r["ece_survival_sts"] for r in table]
+        if holdout:
+            meta["ece_survival_cv"] = [r["ece_survival_cv"] for r in table]
         meta["table_on"] = result["table_on"]
         out = Path(args.out) if args.out else generated_dir(path)
         result["written"] = str(cal.write_calibration(out, calib, {"fitted_on": meta}, greedy=greedy, base_dir=path))
@@ -201,7 +281,8 @@ def run(args) -> int:
             str(plot_reliability(before, None, out / "reliability_before.png",
                                  f"{result['drafter']}: raw ({result['table_on']})")),
             str(plot_reliability(before, after, out / "reliability_after.png",
-                                 f"{result['drafter']}: {calib.method} vs raw ({result['table_on']})")),
+                                 f"{result['drafter']}: {calib.method} vs raw ({result['table_on']})",
+                                 after_label=calib.method)),
         ]
     if args.json:
         print(json.dumps(result, default=float))
@@ -226,6 +307,9 @@ def table_text(r: dict) -> str:
                      f"{f(row['ece_conditional_sts'])} {f(row['auc_conditional'])}")
     lines.append("floor: ECE a perfectly calibrated head with the calibrated confidences scores on these rounds "
                  "(noise)")
+    if r["table"] and "ece_survival_cv" in r["table"][0]:
+        lines.append("ECE cal, both folds (fit even / check odd and fit odd / check even), mean: "
+                     + " ".join(f(row["ece_survival_cv"]).strip() for row in r["table"]))
     if r["unfitted_positions"]:
         lines.append(f"positions {r['unfitted_positions']} had < {r['min_rounds']} fitting rounds: t = 1, b = 0 kept")
     if "written" in r:

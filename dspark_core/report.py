@@ -230,14 +230,15 @@ def plot_threshold_sweep(sweeps: dict[str, list[dict]], out: str | Path) -> Path
     return _save(fig, out)
 
 
-def plot_reliability(before: list[dict], after: list[dict] | None, out: str | Path, title: str = "") -> Path:
-    """Reliability diagrams per position (observed prefix acceptance vs predicted survival): raw, and STS
-    when `after` is given."""
+def plot_reliability(before: list[dict], after: list[dict] | None, out: str | Path, title: str = "",
+                     after_label: str = "calibrated") -> Path:
+    """Reliability diagrams per position (observed prefix acceptance vs predicted survival): raw, and the
+    calibrated confidences (labelled `after_label`) when `after` is given."""
     plt = _plt()
     n = len(before)
     fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3.4), squeeze=False)
     for k, ax in enumerate(axes[0]):
-        curves = [(before[k], "raw", "o--")] + ([(after[k], "STS", "s-")] if after is not None else [])
+        curves = [(before[k], "raw", "o--")] + ([(after[k], after_label, "s-")] if after is not None else [])
         for data, label, style in curves:
             pts = [(c, y) for c, y in zip(data["confidence"], data["accuracy"]) if c is not None]
             if pts:

@@ -54,7 +54,13 @@ def slot_values(target, drafter, sample, temperature: float) -> tuple[np.ndarray
         # the target's distribution for slot k of anchor a sits at position a + k
         rows = (anchors[:, None] + torch.arange(gamma)).reshape(-1)
         target_logits = res.logits[rows].float()
-        alpha = acceptance_probability(draft_logits, target_logits, temperature, drafter.support_size)
+        vocab_ids = getattr(drafter, "draft_vocab_ids", None)
+        if vocab_ids is None:
+            alpha = acceptance_probability(draft_logits, target_logits, temperature, drafter.support_size)
+        else:  # a draft vocabulary: q lives on its columns; target mass outside them is never accepted
+            p = torch.softmax(target_logits / temperature, dim=-1)[:, vocab_ids]
+            alpha = acceptance_probability(draft_logits, target_logits, temperature, drafter.support_size,
+                                           p_target=p)
     return alpha.reshape(-1, gamma).numpy(), out.confidence_logits[0].float().numpy()
 
 

@@ -136,6 +136,20 @@ def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp
     saved = np.load(tmp_path / "rounds.npz")
     assert saved["logits"].shape == (sts["rounds_fit"] + sts["rounds_check"], 4)
     assert (saved["accepted"] <= saved["proposed"]).all() and saved["prompt_index"].shape == saved["accepted"].shape
+    # refit from the saved rounds, no model loaded: the same fit as the run that saved them, or another method
+    assert main(["calibrate", "--from-rounds", str(tmp_path / "rounds.npz"), "--drafter-path", str(d),
+                 "--min-rounds", "5", "--method", "sts", "--json", "--dry-run"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["temperatures"] == sts["temperatures"] and again["rounds_check"] == sts["rounds_check"]
+    assert again["num_prompts"] == sts["num_prompts"] and again["rounds_file"] == str(tmp_path / "rounds.npz")
+    assert all("ece_survival_cv" in row for row in again["table"])
+    assert main(["calibrate", "--from-rounds", str(tmp_path / "rounds.npz"), "--drafter-path", str(d),
+                 "--min-rounds", "5", "--no-holdout", "--json", "--dry-run"]) == 0
+    everything = json.loads(capsys.readouterr().out)
+    assert everything["method"] == "platt" and everything["rounds_fit"] == saved["accepted"].size
+    (tmp_path / "junk.npz").write_bytes(b"not a rounds file")
+    assert main(["calibrate", "--from-rounds", str(tmp_path / "junk.npz"), "--drafter-path", str(d)]) == 2
+    assert "--from-rounds" in capsys.readouterr().err
     assert main(["calibrate", "--prompt-ids-file", str(ids_file), "--drafter-path", str(d), "--samples", "0",
                  "--target", str(shared_fixtures / "target")]) == 2
     assert "--samples" in capsys.readouterr().err
