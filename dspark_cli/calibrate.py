@@ -67,25 +67,32 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run_online(args) -> int:
-    """`--online`: STS refit on served rounds, on top of the temperatures they were served with."""
-    from dspark_core import calibration as cal
+def _drafter_without_model(args, flag: str, value: str, what: str):
+    """(path, config) of the drafter a model-free refit (`--online`, `--from-rounds`) is for; its config
+    carries the calibration installed where the commands and services read it (what rounds were served with)."""
     from dspark_core.drafters.config import load_config
-    from dspark_core.monitoring import read_rounds, refit_calibration
 
     from .models import find_generated, resolve_drafter_path
 
     if args.dataset or args.prompt_ids_file:
-        raise InvalidArgument("--online", args.online, "refits from recorded rounds; give no --dataset with it")
+        raise InvalidArgument(flag, value, f"refits {what}; give no --dataset with it")
     path = resolve_drafter_path(args.drafter, args.drafter_path)
     if path is None:
         raise InvalidArgument("--drafter", None, "is required (a shipped name or --drafter-path DIR)")
-    if not Path(args.online).is_file():
-        raise InvalidArgument("--online", args.online, "must be a file of recorded rounds")
-    # the temperatures the rounds were served with: where the commands and services read them
     config = load_config(Path(path), find_generated(path, "calibration.json"))
     if not config.enable_confidence_head:
         raise InvalidArgument("--drafter", Path(path).name, "has no confidence head; only DSpark drafters calibrate")
+    return path, config
+
+
+def run_online(args) -> int:
+    """`--online`: refit on served rounds, on top of the calibration they were served with."""
+    from dspark_core import calibration as cal
+    from dspark_core.monitoring import read_rounds, refit_calibration
+
+    path, config = _drafter_without_model(args, "--online", args.online, "from recorded rounds")
+    if not Path(args.online).is_file():
+        raise InvalidArgument("--online", args.online, "must be a file of recorded rounds")
     name = Path(path).name
     records = read_rounds(args.online)
     mine = [r for r in records if r.drafter == name]
@@ -190,18 +197,8 @@ def collect_rounds(args) -> dict:
 def load_saved_rounds(args) -> dict:
     """The rounds a `--save-rounds` run wrote; no model is loaded. They must be this drafter's (its block)."""
     from dspark_core import calibration as cal
-    from dspark_core.drafters.config import load_config
 
-    from .models import find_generated, resolve_drafter_path
-
-    if args.dataset or args.prompt_ids_file:
-        raise InvalidArgument("--from-rounds", args.from_rounds, "refits saved rounds; give no --dataset with it")
-    path = resolve_drafter_path(args.drafter, args.drafter_path)
-    if path is None:
-        raise InvalidArgument("--drafter", None, "is required (a shipped name or --drafter-path DIR)")
-    config = load_config(Path(path), find_generated(path, "calibration.json"))
-    if not config.enable_confidence_head:
-        raise InvalidArgument("--drafter", Path(path).name, "has no confidence head; only DSpark drafters calibrate")
+    path, config = _drafter_without_model(args, "--from-rounds", args.from_rounds, "saved rounds")
     try:
         with np.load(args.from_rounds, allow_pickle=False) as f:
             arrays = {k: f[k] for k in ("logits", "proposed", "accepted", "prompt_index", "run")}
@@ -211,8 +208,9 @@ def load_saved_rounds(args) -> dict:
     except (OSError, KeyError, ValueError, InvalidArgument) as exc:
         raise InvalidArgument("--from-rounds", args.from_rounds,
                               f"must be a rounds file written by --save-rounds ({exc})") from None
-    if not isinstance(run_info, dict) or records.gamma != config.gamma \
-            or arrays["prompt_index"].shape != records.proposed.shape:
+    if not isinstance(run_info, dict) or arrays["prompt_index"].shape != records.proposed.shape:
+        raise InvalidArgument("--from-rounds", args.from_rounds, "must be a rounds file written by --save-rounds")
+    if records.gamma != config.gamma:
         raise InvalidArgument("--from-rounds", args.from_rounds,
                               f"holds rounds of {records.gamma} positions; drafter {Path(path).name} drafts "
                               f"{config.gamma}")

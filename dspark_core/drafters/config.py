@@ -66,6 +66,11 @@ def _require_int(name: str, value: object, low: int | None = None, high: int | N
         raise InvalidArgument(name, value, f"must be <= {high}")
 
 
+def _require_finite_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgument(name, value, "must be a finite number")
+
+
 def _require_positive_float(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise InvalidArgument(name, value, "must be a finite number > 0")
@@ -156,8 +161,7 @@ class DrafterConfig:
             if not isinstance(biases, tuple) or len(biases) != self.gamma:
                 raise InvalidArgument(name, biases, f"must be a tuple of {self.gamma} biases (one per draft slot)")
             for b in biases:
-                if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
-                    raise InvalidArgument(name, b, "must be a finite number")
+                _require_finite_float(name, b)
         _require_int("draft_vocab_size", self.draft_vocab_size, low=0, high=self.vocab_size)
         if self.target_tensors not in (None, TARGET_TENSORS_REFERENCED):
             raise InvalidArgument("target_tensors", self.target_tensors,
@@ -405,8 +409,7 @@ def parse_calibration_biases(block: Mapping, greedy: bool = False) -> tuple[floa
     if not isinstance(biases, list) or not biases:
         raise InvalidArgument(f"{name}.biases", biases, "must be a non-empty list of numbers")
     for b in biases:
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
-            raise InvalidArgument(f"{name}.biases", b, "must be a finite number")
+        _require_finite_float(f"{name}.biases", b)
     if isinstance(temps, list) and len(temps) != len(biases):
         raise InvalidArgument(f"{name}.biases", len(biases), f"must have one bias per temperature ({len(temps)})")
     return tuple(float(b) for b in biases)
