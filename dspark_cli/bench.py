@@ -73,6 +73,10 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="repeats of every point; medians count (default 1)")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses its own stream (default 0)")
+    p.add_argument("--request-history", choices=("on", "off", "both"), default="on",
+                   help="the drafter's request-history recalibration (calibration.json request_history): on "
+                        "(default), off, or both: every confidence policy also runs without it, as "
+                        "<policy>/no-history, interleaved in the same run")
     add_target_arg(p)
     p.add_argument("--drafter", default="auto", choices=DRAFTER_CHOICES,
                    help="shipped drafter (default auto = dspark)")
@@ -150,7 +154,7 @@ def check_args(args):
             raise InvalidArgument("--dataset", f, "must be an existing JSONL file")
     return BenchSettings(policies=tuple(policies), concurrencies=tuple(concurrencies),
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
-                         block_size=args.block_size, seed=args.seed)
+                         block_size=args.block_size, seed=args.seed, request_history=args.request_history)
 
 
 def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
@@ -400,11 +404,11 @@ def _fmt(x, spec=".2f", suffix=""):
 
 
 def human_summary(r: dict) -> str:
-    lines = [f"{'policy':<8} {'conc':>4} {'agg tok/s':>10} {'user tok/s':>10} {'verify len':>10} {'tau':>6} "
+    lines = [f"{'policy':<18} {'conc':>4} {'agg tok/s':>10} {'user tok/s':>10} {'verify len':>10} {'tau':>6} "
              f"{'match ar':>8}"]
     for x in r["results"]:
         match = {True: "yes", False: "NO", None: "-"}[x.get("outputs_match_ar")]
-        lines.append(f"{x['policy']:<8} {x['concurrency']:>4} {x['aggregate_tokens_per_s']:>10.1f} "
+        lines.append(f"{x['policy']:<18} {x['concurrency']:>4} {x['aggregate_tokens_per_s']:>10.1f} "
                      f"{x['per_user_tokens_per_s']:>10.1f} {x['mean_verify_len']:>10.2f} {_fmt(x.get('tau')):>6} "
                      f"{match:>8}")
     lines.append("")
@@ -419,6 +423,10 @@ def human_summary(r: dict) -> str:
         lines.append("llama.cpp at batch 1 (tokens/s): " + ", ".join(f"{m} {v:.1f}" for m, v in r["llamacpp"].items()))
         lines.append(f"batch-1 autoregressive / llama.cpp plain: {_fmt(r.get('ar_vs_llamacpp_batch1'), '.2f', 'x')}; "
                      f"speculative / llama.cpp plain: {_fmt(r.get('speedup_vs_llamacpp_batch1'), '.2f', 'x')}")
+    rh = r.get("request_history_vs_off_batch1") or {}
+    if rh:
+        lines.append("batch-1 request history on / off (paired): " + ", ".join(f"{p} {_fmt(v, '.3f', 'x')}"
+                                                                           for p, v in rh.items()))
     cv = r.get("causal_vs_best_static") or {}
     if any(v is not None for v in cv.values()):
         lines.append("causal / best static aggregate: " + ", ".join(f"c={c} {_fmt(v)}" for c, v in cv.items()))

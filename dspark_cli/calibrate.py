@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
                    help="platt: a temperature and a bias per position, maximum likelihood, position by position "
                         "(default; a temperature alone cannot remove a head's shift in logit space); sts: the "
                         "paper's sequential temperature scaling (ECE grid search, no bias)")
+    p.add_argument("--request-history", choices=("on", "off"), default="on",
+                   help="on (default): also fit request-history weights, so that a request's own verified rounds "
+                        "correct its confidences (a request accepting more or less than predicted so far moves all "
+                        "its positions; algorithms.md section 6); off: the same map for every request")
     p.add_argument("--min-rounds", type=int, default=50,
                    help="positions with fewer fitting rounds keep t = 1, b = 0 (default 50)")
     p.add_argument("--dry-run", action="store_true", help="fit and report, but do not write calibration.json")
@@ -106,7 +110,8 @@ def run_online(args) -> int:
             continue
         old = config.sts_temperatures_greedy if greedy else config.sts_temperatures
         old_b = config.calibration_bias_values_greedy if greedy else config.calibration_bias_values
-        calib, table = refit_calibration(rows, old, old_b, method=args.method, min_rounds=args.min_rounds)
+        calib, table = refit_calibration(rows, old, old_b, method=args.method, min_rounds=args.min_rounds,
+                                         history=config.confidence_history(greedy))
         temps = calib.temperatures
         regime = {"rounds": len(rows), "method": calib.method, "temperatures_before": list(old),
                   "biases_before": list(old_b), "temperatures": list(temps), "biases": calib.bias_list(),
@@ -175,10 +180,13 @@ def collect_rounds(args) -> dict:
                           seed=seed, concurrency=args.concurrency, stop_token_ids=target.eos_token_ids)
 
     log = rollouts(args.seed)
+    request = list(log.prompt_index)  # one request per (rollout, prompt): rollout j's ids follow rollout j - 1's
     for j in range(1, samples):
-        log.extend(rollouts(args.seed + j))
+        more = rollouts(args.seed + j)
+        request += [j * len(prompts) + i for i in more.prompt_index]
+        log.extend(more)
     records = cal.RolloutRecords.from_rounds(log.confidence_logits, log.accepted, log.proposed,
-                                             gamma=drafter.block_size)
+                                             gamma=drafter.block_size).with_requests(request)
     run_info = {"drafter": Path(path).name, "datasets": [s["dataset"] for s in sets], "split": sets[0]["split"],
                 "num_prompts": len(prompts), "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
                 "samples": samples, "seeds": list(range(args.seed, args.seed + samples)),
@@ -189,7 +197,7 @@ def collect_rounds(args) -> dict:
         out_rounds = Path(args.save_rounds)
         out_rounds.parent.mkdir(parents=True, exist_ok=True)
         np.savez_compressed(out_rounds, logits=records.logits, proposed=records.proposed,
-                            accepted=records.accepted, prompt_index=prompt_index,
+                            accepted=records.accepted, prompt_index=prompt_index, request_index=records.request,
                             run=np.array(json.dumps(run_info)))
     return {"records": records, "prompt_index": prompt_index, "path": path, "greedy": greedy, "run_info": run_info}
 
@@ -202,9 +210,11 @@ def load_saved_rounds(args) -> dict:
     try:
         with np.load(args.from_rounds, allow_pickle=False) as f:
             arrays = {k: f[k] for k in ("logits", "proposed", "accepted", "prompt_index", "run")}
+            # files from before request ids were saved: their rounds come request by request
+            request = f["request_index"] if "request_index" in f.files else cal.requests_from_runs(arrays["prompt_index"])
         run_info = json.loads(str(arrays["run"]))
         records = cal.RolloutRecords(arrays["logits"].astype(np.float64), arrays["proposed"].astype(np.int64),
-                                     arrays["accepted"].astype(np.int64))
+                                     arrays["accepted"].astype(np.int64), np.asarray(request, dtype=np.int64))
     except (OSError, KeyError, ValueError, InvalidArgument) as exc:
         raise InvalidArgument("--from-rounds", args.from_rounds,
                               f"must be a rounds file written by --save-rounds ({exc})") from None
@@ -231,20 +241,23 @@ def fit_and_report(args, records, prompt_index, path, greedy: bool, run_info: di
     holdout = not args.no_holdout and odd.any() and (~odd).any()
     fit_on = records.subset(~odd) if holdout else records
     check_on = records.subset(odd) if holdout else records
-    calib = cal.fit_calibration(fit_on, args.method, min_rounds=args.min_rounds)
+    history = getattr(args, "request_history", "off") == "on"
+    calib = cal.fit_calibration(fit_on, args.method, min_rounds=args.min_rounds, request_history=history)
     temps = calib.temperatures
     table = cal.calibration_table(check_on, None, calib)
     if holdout:
         # the other fold too (fit on odd prompts, check on even): the mean of both is the steadier estimate
         # of what unseen prompts will see, with twice the held-out rounds
         swapped = cal.calibration_table(fit_on, None, cal.fit_calibration(check_on, args.method,
-                                                                          min_rounds=args.min_rounds))
+                                                                          min_rounds=args.min_rounds,
+                                                                          request_history=history))
         for row, other in zip(table, swapped):
             row["ece_survival_other_fold"] = other["ece_survival_sts"]
             row["ece_survival_cv"] = 0.5 * (row["ece_survival_sts"] + other["ece_survival_sts"])
     result = {
         "drafter": Path(path).name, "drafter_path": str(path), "method": calib.method,
         "temperatures": list(temps), "biases": calib.bias_list(),
+        "request_history": None if calib.history is None else calib.history.to_dict(),
         "confidence_output": "greedy" if greedy else "sampled",
         "datasets": run_info["datasets"], "split": run_info["split"], "num_prompts": run_info["num_prompts"],
         "rounds_fit": len(fit_on), "rounds_check": len(check_on),
@@ -272,6 +285,7 @@ def fit_and_report(args, records, prompt_index, path, greedy: bool, run_info: di
     if args.plots:
         from dspark_core.report import plot_reliability
 
+        label = calib.method + (" + request history" if calib.history is not None else "")
         before = cal.reliability_by_position(check_on, None)
         after = cal.reliability_by_position(check_on, calib)
         out = Path(args.plots)
@@ -279,8 +293,8 @@ def fit_and_report(args, records, prompt_index, path, greedy: bool, run_info: di
             str(plot_reliability(before, None, out / "reliability_before.png",
                                  f"{result['drafter']}: raw ({result['table_on']})")),
             str(plot_reliability(before, after, out / "reliability_after.png",
-                                 f"{result['drafter']}: {calib.method} vs raw ({result['table_on']})",
-                                 after_label=calib.method)),
+                                 f"{result['drafter']}: {label} vs raw ({result['table_on']})",
+                                 after_label=label)),
         ]
     if args.json:
         print(json.dumps(result, default=float))
@@ -293,7 +307,8 @@ def table_text(r: dict) -> str:
     def f(x):
         return "   -  " if x is None or x != x else f"{x:6.3f}"
 
-    lines = [f"{r.get('method', 'sts')} calibration for {r['drafter']}: {r['num_prompts']} prompts ({', '.join(r['datasets'])}; split {r['split']}), "
+    hist = r.get("request_history")
+    lines = [f"{r.get('method', 'sts')} calibration{' + request history' if hist else ''} for {r['drafter']}: {r['num_prompts']} prompts ({', '.join(r['datasets'])}; split {r['split']}), "
              f"{r['rounds_fit']} rounds fitted; table on {r['table_on']} ({r['rounds_check']} rounds)",
              "survival a_k = prod c_i vs prefix accepted | conditional c_k vs k-th accepted given < k accepted",
              "  k   t_k    b_k     rounds  rate   ECE raw  ECE cal  floor  AUC   | rounds  ECE raw  ECE cal  AUC"]
@@ -303,6 +318,9 @@ def table_text(r: dict) -> str:
                      f"{f(row['auc_survival'])} | "
                      f"{row['conditional_rounds']:6d} {f(row['ece_conditional_raw'])}  "
                      f"{f(row['ece_conditional_sts'])} {f(row['auc_conditional'])}")
+    if hist:
+        lines.append(f"request history (prior strength {hist['strength']:g}, mean {hist['prior']:.3f}): weights "
+                     + " ".join(f"{w:+.3f}" for w in hist["weights"]))
     lines.append("floor: ECE a perfectly calibrated head with the calibrated confidences scores on these rounds "
                  "(noise)")
     if r["table"] and "ece_survival_cv" in r["table"][0]:

@@ -59,6 +59,9 @@ class BenchSettings:
     seed: int = 0
     # headline speculative policy for the batch-1 speedups (falls back to the best measured one)
     headline_policy: str = "fixed"
+    # the drafter's request-history recalibration (EngineConfig.request_history): "on", "off", or "both" (each
+    # confidence policy also runs without it, as "<policy>/no-history", interleaved in the same run)
+    request_history: str = "on"
 
     def __post_init__(self):
         if not self.policies:
@@ -70,6 +73,8 @@ class BenchSettings:
             raise InvalidArgument("concurrencies", self.concurrencies, "must be integers >= 1")
         if self.repeats < 1:
             raise InvalidArgument("repeats", self.repeats, "must be >= 1")
+        if self.request_history not in ("on", "off", "both"):
+            raise InvalidArgument("request_history", self.request_history, "must be 'on', 'off' or 'both'")
         if self.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens", self.max_new_tokens, "must be >= 1")
 
@@ -238,9 +243,15 @@ def _record(req, prompt_index: int, t_add: float, t_done: float) -> RequestRecor
                          output_ids=list(req.output_ids))
 
 
+NO_HISTORY = "/no-history"  # a policy run without the request-history recalibration (BenchSettings.request_history)
+
+
 def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchSettings, sps):
     from .engine import Engine, EngineConfig
 
+    history = settings.request_history != "off"
+    if policy.endswith(NO_HISTORY):
+        policy, history = policy[:-len(NO_HISTORY)], False
     if policy == "ar":
         drafter = None
     from .cost_model import SpsTable
@@ -251,7 +262,8 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
     # one pass per seeded request would measure B = 1 passes at every concurrency
     return Engine(target, drafter, EngineConfig(policy=policy, block_size=settings.block_size,
                                                 max_active=concurrency, max_waiting=max(1024, concurrency),
-                                                online_sps=online, isolate_seeded=False),
+                                                online_sps=online, isolate_seeded=False,
+                                                request_history=history),
                   sps=sps if policy in SPS_POLICIES else None)
 
 
@@ -336,9 +348,19 @@ def hf_generate(peer: HFPeer, mode: str, prompt_ids: Sequence[int], max_new_toke
     return out[0, x.shape[1]:].tolist(), dt
 
 
+def with_history_variants(settings: BenchSettings, policies: Sequence[str]) -> list[str]:
+    """`policies`, plus "<policy>/no-history" for each confidence policy when `settings.request_history` is
+    "both"."""
+    out = list(policies)
+    if settings.request_history == "both":
+        out += [p + NO_HISTORY for p in policies if p in CONFIDENCE_POLICIES]
+    return out
+
+
 def total_requests(settings: BenchSettings, num_prompts: int, policies: Sequence[str], hf_modes: Sequence[str],
                    llamacpp_modes: Sequence[str] = ()) -> int:
     """How many requests a run serves (for a progress bar)."""
+    policies = with_history_variants(settings, policies)
     n = 0
     for c in settings.concurrencies:
         if c == 1:
@@ -412,6 +434,7 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
     if not prompts:
         raise InvalidArgument("prompts", prompts, "must hold at least one prompt")
     policies, hf_modes, warnings = plan(settings, drafter, sps, hf)
+    policies = with_history_variants(settings, policies)
     lc_modes, lc_warnings = plan_llamacpp(settings, llamacpp)
     warnings += lc_warnings + repeated_prompt_warnings(settings, len(prompts))
     stop = tuple(getattr(target, "eos_token_ids", ()) or ())
@@ -493,6 +516,9 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
 
     out: dict = {"results": results}
     out.update(batch1_speedups(batch1, policies, hf_modes, settings.headline_policy))
+    if settings.request_history == "both" and batch1:
+        out["request_history_vs_off_batch1"] = {p[:-len(NO_HISTORY)]: paired_ratio(batch1, p[:-len(NO_HISTORY)], p)
+                                                for p in policies if p.endswith(NO_HISTORY)}
     if hf_modes:
         out["hf"] = {m: round(_rate([r for _, _, r in batch1[f"hf_{m}"]]), 3) for m in hf_modes}
         out["hf_per_request_median"] = {m: round(statistics.median(r.tokens_per_s for _, _, r in batch1[f"hf_{m}"]), 3)

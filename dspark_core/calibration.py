@@ -23,6 +23,19 @@ so two parameters do not chase the binning noise the way an ECE grid over two pa
 per position too; with every b_k = 0 it is STS's model. `Calibration` carries (temperatures, biases); every
 function below that takes `temperatures` takes a `Calibration` as well.
 
+Both are the same map for every request, and a head's error is partly the request's own: on SmolLM2 at T = 0
+one request's drafts are accepted more often than its confidences say all answer long, another's less, so a
+population fit stays ~2% off at position 1 on prompts it did not see. Request-history recalibration
+(`RequestHistory`) adds what the request's own earlier rounds say: after n rounds that verified slot 1, A of
+them accepted and C the sum of their calibrated c_1,
+    g = logit((A + s m) / (n + s)) - logit((C + s m) / (n + s))        (0 before any round; s, m: a prior)
+is how much more (g > 0) or less the request accepts than its calibrated confidences predicted, shrunk to 0
+by s pseudo-rounds; every position's logit gets w_k g, c_k = sigmoid(logit_k / t_k + b_k + w_k g). It reads
+only rounds already verified (non-anticipating, like every confidence the policies use) and moves lengths,
+never outputs. The weights are fitted after (t, b), position by position by maximum likelihood of the same
+survival event. Records carry the request of each round (`RolloutRecords.request`, rows in round order);
+records without it get g = 0.
+
 Pure numpy on arrays: knows nothing about engines, models or files beyond writing `calibration.json`.
 """
 
@@ -52,12 +65,17 @@ class RolloutRecords:
     proposed: np.ndarray
     # [N] int: drafts accepted that round (the bonus token is not a draft)
     accepted: np.ndarray
+    # [N] int or None: the request of each round, rows in round order within a request (request-history
+    # recalibration reads a request's earlier rounds); None = unknown (no history)
+    request: np.ndarray | None = None
 
     def __post_init__(self):
         if self.logits.ndim != 2 or self.proposed.shape != (self.logits.shape[0],) \
                 or self.accepted.shape != self.proposed.shape:
             raise InvalidArgument("records", (self.logits.shape, self.proposed.shape, self.accepted.shape),
                                   "must be logits [N, gamma], proposed [N], accepted [N]")
+        if self.request is not None and np.shape(self.request) != self.proposed.shape:
+            raise InvalidArgument("records.request", np.shape(self.request), f"must be [N] = {self.proposed.shape}")
         if (self.accepted > self.proposed).any() or (self.proposed > self.gamma).any() or (self.accepted < 0).any():
             raise InvalidArgument("records.accepted", "out of range", "must satisfy 0 <= accepted <= proposed <= gamma")
 
@@ -85,7 +103,24 @@ class RolloutRecords:
         return cls(logits, np.asarray(proposed, dtype=np.int64), np.asarray(accepted, dtype=np.int64))
 
     def subset(self, mask: np.ndarray) -> RolloutRecords:
-        return RolloutRecords(self.logits[mask], self.proposed[mask], self.accepted[mask])
+        """The rounds of `mask` (a boolean mask keeps the round order, so request histories stay intact when it
+        selects whole requests)."""
+        return RolloutRecords(self.logits[mask], self.proposed[mask], self.accepted[mask],
+                              None if self.request is None else self.request[mask])
+
+    def with_requests(self, request) -> RolloutRecords:
+        return RolloutRecords(self.logits, self.proposed, self.accepted,
+                              None if request is None else np.asarray(request, dtype=np.int64))
+
+
+def requests_from_runs(prompt_index) -> np.ndarray:
+    """Request ids from a per-round prompt index whose rounds come request by request (what `dspark calibrate`
+    logs): a new request wherever the prompt changes. Two rollouts of the same prompt in a row would merge;
+    give ids explicitly where that can happen."""
+    p = np.asarray(prompt_index, dtype=np.int64)
+    if p.size == 0:
+        return p
+    return np.cumsum(np.r_[0, (p[1:] != p[:-1]).astype(np.int64)])
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -199,11 +234,65 @@ def expected_auc(scores, alpha) -> float:
 
 
 @dataclass(frozen=True)
+class RequestHistory:
+    """Request-history recalibration (module docstring): weights w_k, one per position, of the request's offset
+    g, with the prior's strength s (pseudo-rounds) and mean m (its slot-1 acceptance rate)."""
+
+    weights: tuple[float, ...]
+    strength: float = 4.0
+    prior: float = 0.5
+
+    def __post_init__(self):
+        w = tuple(float(x) for x in self.weights)
+        if not w or any(not math.isfinite(x) for x in w):
+            raise InvalidArgument("request_history.weights", list(w), "must be a non-empty list of finite numbers")
+        object.__setattr__(self, "weights", w)
+        if not (isinstance(self.strength, (int, float)) and math.isfinite(self.strength) and self.strength > 0):
+            raise InvalidArgument("request_history.strength", self.strength, "must be a finite number > 0")
+        if not (isinstance(self.prior, (int, float)) and 0.0 < self.prior < 1.0):
+            raise InvalidArgument("request_history.prior", self.prior, "must be a number in (0, 1)")
+        object.__setattr__(self, "strength", float(self.strength))
+        object.__setattr__(self, "prior", float(self.prior))
+
+    def offset(self, rounds: float, accepted: float, confidence_sum: float) -> float:
+        """g of a request after `rounds` rounds that verified slot 1, `accepted` of them accepted, whose
+        calibrated c_1 summed to `confidence_sum`."""
+        s, m = self.strength, self.prior
+        n = max(float(rounds), 0.0)
+        r = (min(max(float(accepted), 0.0), n) + s * m) / (n + s)
+        q = (min(max(float(confidence_sum), 0.0), n) + s * m) / (n + s)
+        return math.log(r / (1.0 - r)) - math.log(q / (1.0 - q))
+
+    def to_dict(self) -> dict:
+        return {"weights": list(self.weights), "strength": self.strength, "prior": self.prior}
+
+    @classmethod
+    def from_dict(cls, d, name: str = "request_history") -> RequestHistory:
+        if not isinstance(d, dict):
+            raise InvalidArgument(name, d, 'must be an object {"weights": [...], "strength": s, "prior": m}')
+        unknown = sorted(set(d) - {"weights", "strength", "prior"})
+        if unknown:
+            raise InvalidArgument(f"{name}.{unknown[0]}", d[unknown[0]], "is not a request_history key")
+        w = d.get("weights")
+        if not isinstance(w, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in w):
+            raise InvalidArgument(f"{name}.weights", w, "must be a non-empty list of finite numbers")
+        for key in ("strength", "prior"):
+            if key in d and (isinstance(d[key], bool) or not isinstance(d[key], (int, float))):
+                raise InvalidArgument(f"{name}.{key}", d[key], "must be a number")
+        try:
+            return cls(tuple(w), d.get("strength", 4.0), d.get("prior", 0.5))
+        except InvalidArgument as exc:
+            raise InvalidArgument(exc.field.replace("request_history", name, 1), exc.value, exc.requirement) from None
+
+
+@dataclass(frozen=True)
 class Calibration:
-    """Per position: c_k = sigmoid(logit_k / t_k + b_k). No biases = all 0 (STS)."""
+    """Per position: c_k = sigmoid(logit_k / t_k + b_k [+ w_k g]). No biases = all 0 (STS); no history = no
+    per-request term."""
 
     temperatures: tuple[float, ...]
     biases: tuple[float, ...] | None = None
+    history: RequestHistory | None = None
 
     def __post_init__(self):
         t = tuple(float(x) for x in self.temperatures)
@@ -215,6 +304,9 @@ class Calibration:
             if len(b) != len(t) or any(not math.isfinite(x) for x in b):
                 raise InvalidArgument("biases", list(b), f"must be {len(t)} finite numbers (one per temperature)")
             object.__setattr__(self, "biases", None if not any(b) else b)
+        if self.history is not None and len(self.history.weights) != len(t):
+            raise InvalidArgument("request_history.weights", list(self.history.weights),
+                                  f"must be {len(t)} numbers (one per temperature)")
 
     @property
     def method(self) -> str:
@@ -241,10 +333,47 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # stable for large |x|, NaN stays NaN
 
 
-def conditional_confidences(records: RolloutRecords, temperatures=None) -> np.ndarray:
-    """[N, gamma] c_k = sigmoid(logit_k / t_k + b_k) (NaN past `proposed`)."""
+def history_offsets(records: RolloutRecords, slot1_logits: np.ndarray, history: RequestHistory) -> np.ndarray:
+    """[N] each round's request offset g (module docstring) from the request's earlier rounds: those that
+    verified slot 1 count, with c_1 = sigmoid(`slot1_logits`). Zero without request ids."""
+    n_rows = len(records)
+    if records.request is None or n_rows == 0:
+        return np.zeros(n_rows)
+    verified = records.proposed >= 1
+    hits = ((records.accepted >= 1) & verified).astype(np.float64)
+    conf = np.where(verified, _sigmoid(np.nan_to_num(slot1_logits)), 0.0)
+    order = np.argsort(records.request, kind="stable")  # rounds of a request together, in their order
+    req = records.request[order]
+    start = np.r_[True, req[1:] != req[:-1]]
+    group_first = np.maximum.accumulate(np.where(start, np.arange(n_rows), 0))
+
+    def before(x):  # sum over the request's earlier rounds
+        c = np.cumsum(x[order])
+        excl = c - x[order]
+        return excl - excl[group_first]
+
+    out = np.empty(n_rows)
+    s, m = history.strength, history.prior
+    n = before(verified.astype(np.float64))
+    r = (before(hits) + s * m) / (n + s)
+    q = (np.minimum(before(conf), n) + s * m) / (n + s)
+    out[order] = np.log(r / (1 - r)) - np.log(q / (1 - q))
+    return out
+
+
+def calibrated_logits(records: RolloutRecords, temperatures=None) -> np.ndarray:
+    """[N, gamma] logit_k / t_k + b_k (+ w_k g with a request history and request ids); NaN past `proposed`."""
     t, b = _params(records, temperatures)
-    return _sigmoid(records.logits / t[None, :] + b[None, :])
+    u = records.logits / t[None, :] + b[None, :]
+    hist = temperatures.history if isinstance(temperatures, Calibration) else None
+    if hist is not None and records.request is not None:
+        u = u + np.asarray(hist.weights)[None, :] * history_offsets(records, u[:, 0], hist)[:, None]
+    return u
+
+
+def conditional_confidences(records: RolloutRecords, temperatures=None) -> np.ndarray:
+    """[N, gamma] c_k = sigmoid(logit_k / t_k + b_k [+ w_k g]) (NaN past `proposed`)."""
+    return _sigmoid(calibrated_logits(records, temperatures))
 
 
 def survival_confidences(records: RolloutRecords, temperatures=None) -> np.ndarray:
@@ -367,16 +496,86 @@ def fit_platt(records: RolloutRecords, min_rounds: int = 1, ridge: float = 1.0) 
     return Calibration(tuple(temps), tuple(biases))
 
 
+def _fit_offset_weight(u: np.ndarray, x: np.ndarray, base: np.ndarray, y: np.ndarray, ridge: float = 1.0,
+                       iters: int = 50) -> float:
+    """Maximum likelihood w of P(y = 1) = base * sigmoid(u + w x), Newton (Fisher scoring) with backtracking;
+    `ridge` as in `_fit_platt_position`."""
+    base = np.clip(base, 1e-12, 1.0)
+
+    def loss(w):
+        p = np.clip(base * _sigmoid(u + w * x), 1e-12, 1 - 1e-12)
+        return float(-(y * np.log(p) + (1 - y) * np.log1p(-p)).sum() + 0.5 * ridge * w * w)
+
+    w, cur = 0.0, loss(0.0)
+    for _ in range(iters):
+        sig = _sigmoid(u + w * x)
+        p = np.clip(base * sig, 1e-12, 1 - 1e-12)
+        dp = p * (1.0 - sig)
+        grad = float(((p - y) / (p * (1.0 - p)) * dp * x).sum()) + ridge * w
+        hess = float((dp * dp / (p * (1.0 - p)) * x * x).sum()) + ridge
+        step, scale = grad / hess, 1.0
+        while scale > 1e-6:
+            nw = min(max(w - scale * step, -10.0), 10.0)
+            new = loss(nw)
+            if new <= cur + 1e-12:
+                break
+            scale *= 0.5
+        else:
+            break
+        done = abs(nw - w) < 1e-9
+        w, cur = nw, new
+        if done:
+            break
+    return w
+
+
+HISTORY_STRENGTH = 4.0
+
+
+def fit_history(records: RolloutRecords, base: Calibration, strength: float = HISTORY_STRENGTH,
+                min_rounds: int = 1, ridge: float = 1.0) -> Calibration:
+    """`base` with a fitted request history (module docstring): the prior's mean is the fitting rounds' slot-1
+    acceptance rate, then w_1..w_gamma in order, each the maximum-likelihood fit of the survival event with
+    (t, b) and the earlier weights fixed. Needs `records.request`; positions with fewer than `min_rounds`
+    rounds get w = 0."""
+    if records.request is None:
+        raise InvalidArgument("records.request", None, "must name each round's request to fit a request history")
+    verified = records.proposed >= 1
+    if not verified.any():
+        raise InvalidArgument("records", 0, "must hold rounds that verified a draft to fit a request history")
+    rate = float((records.accepted[verified] >= 1).mean())
+    prior = min(max(rate, 0.01), 0.99)
+    u = calibrated_logits(records, Calibration(base.temperatures, base.biases))
+    g = history_offsets(records, u[:, 0], RequestHistory((0.0,) * records.gamma, strength, prior))
+    weights, prefix = [], np.ones(len(records))
+    for k in range(1, records.gamma + 1):
+        rows = records.proposed >= k
+        if rows.sum() < max(min_rounds, 1):
+            weights.append(0.0)
+            continue
+        y = (records.accepted[rows] >= k).astype(np.float64)
+        w_k = _fit_offset_weight(u[rows, k - 1], g[rows], prefix[rows], y, ridge=ridge)
+        weights.append(w_k)
+        prefix = prefix * np.where(rows, _sigmoid(np.nan_to_num(u[:, k - 1]) + w_k * g), 1.0)
+    return Calibration(base.temperatures, base.biases, RequestHistory(tuple(weights), strength, prior))
+
+
 METHODS = ("platt", "sts")
 
 
-def fit_calibration(records: RolloutRecords, method: str = "platt", min_rounds: int = 1) -> Calibration:
-    """`method` "platt" (temperature and bias per position, the default) or "sts" (temperatures alone)."""
+def fit_calibration(records: RolloutRecords, method: str = "platt", min_rounds: int = 1,
+                    request_history: bool = False, strength: float = HISTORY_STRENGTH) -> Calibration:
+    """`method` "platt" (temperature and bias per position, the default) or "sts" (temperatures alone);
+    `request_history`: then the request-history weights on top (`fit_history`; needs `records.request`)."""
     if method == "platt":
-        return fit_platt(records, min_rounds=min_rounds)
-    if method == "sts":
-        return Calibration(fit_sts(records, min_rounds=min_rounds))
-    raise InvalidArgument("method", method, f"must be one of {list(METHODS)}")
+        calib = fit_platt(records, min_rounds=min_rounds)
+    elif method == "sts":
+        calib = Calibration(fit_sts(records, min_rounds=min_rounds))
+    else:
+        raise InvalidArgument("method", method, f"must be one of {list(METHODS)}")
+    if request_history:
+        calib = fit_history(records, calib, strength=strength, min_rounds=min_rounds)
+    return calib
 
 
 def calibration_table(records: RolloutRecords, before=None, after=None, bins: int = NUM_BINS) -> list[dict]:
@@ -412,7 +611,8 @@ def reliability_by_position(records: RolloutRecords, temperatures=None, bins: in
 def write_calibration(drafter_dir: str | Path, temperatures, metadata: dict | None = None,
                       greedy: bool = False, base_dir: str | Path | None = None) -> Path:
     """Write `<drafter_dir>/calibration.json` = {"method": "sts" | "platt", "temperatures": [...],
-    "biases": [...] (Platt only), ...metadata}; `temperatures` is a list or a `Calibration`.
+    "biases": [...] (Platt only), "request_history": {...} (if fitted), ...metadata}; `temperatures` is a list
+    or a `Calibration`.
 
     `greedy`: this calibrates the greedy confidence output instead; it goes to the file's `"greedy"` section
     and the sampled-regime calibration already there is kept (identity if none). A sampled-regime write keeps
@@ -423,6 +623,8 @@ def write_calibration(drafter_dir: str | Path, temperatures, metadata: dict | No
     fitted = {"temperatures": temps}
     if calib.biases is not None:
         fitted["biases"] = list(calib.biases)
+    if calib.history is not None:
+        fitted["request_history"] = calib.history.to_dict()
     path = Path(drafter_dir) / "calibration.json"
     source = path if path.is_file() or base_dir is None else Path(base_dir) / "calibration.json"
     try:

@@ -102,6 +102,10 @@ class EngineConfig:
     draft_gate_margin: float = 0.75
     draft_gate_min: int = 4
     draft_gate_max: int = 64
+    # apply the drafter's request-history recalibration (calibration.json "request_history", if it has one): a
+    # request's confidences are corrected by how its own verified rounds compared with their predictions
+    # (dspark_core.calibration.RequestHistory). Only lengths move; False uses the drafter's confidences as sent.
+    request_history: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "policy", scheduling.policy_spec(self.policy).name)  # aliases -> the name
@@ -161,6 +165,12 @@ class RequestState:
     draft_again_at: int = 0
     draft_gate_skip: int = 0
     draft_gate_surplus: float | None = None
+    # request-history recalibration (dspark_core.calibration.RequestHistory): rounds that verified slot 1, how
+    # many of them accepted it, the sum of their calibrated c_1; and this round's c_1 until it is verified
+    history_rounds: int = 0
+    history_accepted: int = 0
+    history_confidence: float = 0.0
+    slot1_confidence: float | None = None
     t_start: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_end: float | None = None
@@ -257,6 +267,12 @@ class _StepLog:
             yield
         finally:
             self.timings[name] = (t0, time.time_ns())
+
+
+def _shift_logit(c: float, delta: float) -> float:
+    """sigmoid(logit(c) + delta), c clamped into (0, 1)."""
+    c = min(max(c, 1e-7), 1.0 - 1e-7)
+    return 1.0 / (1.0 + math.exp(-(math.log(c / (1.0 - c)) + delta)))
 
 
 def _own_fault(exc: BaseException) -> bool:
@@ -590,7 +606,13 @@ class Engine:
                 continue  # not its fault: nothing committed, it verifies again next step
             req.accepted_per_round.append(res.num_accepted)
             req.proposed_per_round.append(len(draft.tokens))
+            if req.slot1_confidence is not None and draft.tokens:
+                req.history_rounds += 1
+                req.history_accepted += int(res.num_accepted >= 1)
+                req.history_confidence += req.slot1_confidence
             self._commit(req, res, events)
+        for req in reqs:
+            req.slot1_confidence = None
         self.last_rounds = []
         if confs is not None:
             self._observe(reqs, drafts, confs, results)
@@ -657,9 +679,21 @@ class Engine:
         """The policy's lengths and the verify blocks of one drafted round."""
         gamma = self.block_size
         confs = []
-        for p in proposals:
+        history_of = getattr(self.drafter, "confidence_history", None) if self.config.request_history else None
+        for r, p in zip(reqs, proposals):
             c = p.confidences
-            confs.append([1.0] * len(p.tokens[:gamma]) if c is None else c[:gamma].tolist())
+            if c is None:
+                confs.append([1.0] * len(p.tokens[:gamma]))
+                continue
+            c = c[:gamma].tolist()
+            hist = history_of(r.params.temperature == 0) if history_of is not None and c else None
+            if hist is not None:
+                # the request's own verified rounds correct every position (non-anticipating: earlier rounds)
+                r.slot1_confidence = c[0]
+                if r.history_rounds:
+                    g = hist.offset(r.history_rounds, r.history_accepted, r.history_confidence)
+                    c = [_shift_logit(x, w * g) for x, w in zip(c, hist.weights)]
+            confs.append(c)
         lengths = self._lengths(confs, [r.request_id for r in reqs])
         # exponential moving average of the drafting time per step (the policies' fixed per-step cost), updated
         # after this step's schedule: a decision only ever sees earlier steps' timings

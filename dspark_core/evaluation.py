@@ -154,7 +154,7 @@ def resize_block(drafter, block_size: int | None) -> tuple[int, bool]:
 
     Shorter blocks are the drafter's own block truncated (the engine cuts it). A longer block reconfigures
     the drafter to draft more slots (DSpark / DFlash: more MASK slots; Eagle3: a longer chain) with the
-    last calibration temperature and bias repeated; results are flagged `block_size_extrapolated`.
+    last calibration temperature, bias and request-history weight repeated; results are flagged `block_size_extrapolated`.
     """
     gamma = drafter.block_size
     if block_size is None or block_size <= gamma:
@@ -168,11 +168,16 @@ def resize_block(drafter, block_size: int | None) -> tuple[int, bool]:
         def extend(values):
             return None if values is None else tuple(values) + (values[-1],) * (block_size - len(values))
 
+        def extend_history(h):
+            return None if h is None else dataclasses.replace(h, weights=extend(h.weights))
+
         drafter.config = dataclasses.replace(
             cfg, block_size=block_size, calibration_temperatures=extend(cfg.calibration_temperatures),
             calibration_temperatures_greedy=extend(cfg.calibration_temperatures_greedy),
             calibration_biases=extend(cfg.calibration_biases),
-            calibration_biases_greedy=extend(cfg.calibration_biases_greedy))
+            calibration_biases_greedy=extend(cfg.calibration_biases_greedy),
+            calibration_history=extend_history(cfg.calibration_history),
+            calibration_history_greedy=extend_history(cfg.calibration_history_greedy))
     return block_size, True
 
 

@@ -27,6 +27,8 @@ What it does not know: tensors, models, metrics libraries or time; it is fed pla
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 from collections import deque
@@ -272,10 +274,13 @@ def read_rounds(path) -> list[RoundRecord]:
 
 
 def refit_calibration(records: Sequence[RoundRecord], temperatures: Sequence[float],
-                      biases: Sequence[float] | None = None, *, method: str = "platt", min_rounds: int = 50):
+                      biases: Sequence[float] | None = None, *, method: str = "platt", min_rounds: int = 50,
+                      history=None):
     """Refit from rounds recorded online. The recorded c_k = sigmoid(raw_k / t_k + b_k) were produced with
     the calibration (t, b) being served, so logit(c_k) = raw_k / t_k + b_k; a fit (t', b') on those logits gives
     sigmoid(raw_k / (t_k t'_k) + b_k / t'_k + b'_k): the new calibration is t_k t'_k and b_k / t'_k + b'_k.
+    With a request `history` (dspark_core.calibration.RequestHistory) served too, the recorded logits carry
+    its w_k g as well, which the refit scales the same way: its weights become w_k / t'_k.
     `method` "platt" fits both, "sts" the temperatures alone (b' = 0). Positions with fewer than `min_rounds`
     rounds keep (t_k, b_k).
 
@@ -297,7 +302,10 @@ def refit_calibration(records: Sequence[RoundRecord], temperatures: Sequence[flo
     db = fit.bias_list()
     temps = tuple(float(t) * float(s) for t, s in zip(temperatures, fit.temperatures))
     new_b = tuple(float(b) / float(s) + d for b, s, d in zip(biases, fit.temperatures, db))
-    return Calibration(temps, new_b), table
+    if history is not None:
+        history = dataclasses.replace(history, weights=tuple(
+            float(w) / float(s) for w, s in zip(history.weights, fit.temperatures)))
+    return Calibration(temps, new_b, history), table
 
 
 def refit_temperatures(records: Sequence[RoundRecord], temperatures: Sequence[float], *, min_rounds: int = 50):

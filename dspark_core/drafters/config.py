@@ -15,7 +15,9 @@ algorithms.md section 6), either as a `calibration` block of `config.json` or as
 
 Our extensions: the optional `greedy` section calibrates the greedy confidence output, and method
 "platt" adds a bias per slot beside each temperature (`"biases": [b_1, ..., b_gamma]`, at the top level
-and in `greedy`), c_k = sigmoid(logit_k / t_k + b_k); missing biases are 0.
+and in `greedy`), c_k = sigmoid(logit_k / t_k + b_k); missing biases are 0. An optional
+`"request_history": {"weights": [w_1, ..., w_gamma], "strength": s, "prior": m}` (top level and in `greedy`)
+adds the request's own offset (dspark_core.calibration.RequestHistory), applied by the engine.
 
 It knows nothing about weights, tensors or devices.
 """
@@ -29,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark_core.calibration import RequestHistory
 from dspark_core.errors import InvalidArgument, ModelLoadError
 
 ARCH_DSPARK = "Qwen3DSparkModel"
@@ -123,6 +126,9 @@ class DrafterConfig:
     # Platt biases beside those temperatures (method "platt"), None = all 0
     calibration_biases: tuple[float, ...] | None = None
     calibration_biases_greedy: tuple[float, ...] | None = None
+    # request-history recalibration (dspark_core.calibration.RequestHistory) of each output, None = none
+    calibration_history: RequestHistory | None = None
+    calibration_history_greedy: RequestHistory | None = None
     # config.json keys this class does not model, written back unchanged
     extra: Mapping[str, object] = field(default_factory=dict, compare=False, repr=False)
 
@@ -162,6 +168,13 @@ class DrafterConfig:
                 raise InvalidArgument(name, biases, f"must be a tuple of {self.gamma} biases (one per draft slot)")
             for b in biases:
                 _require_finite_float(name, b)
+        for name, hist in (("calibration.request_history", self.calibration_history),
+                           ("calibration.greedy.request_history", self.calibration_history_greedy)):
+            if hist is None:
+                continue
+            if not isinstance(hist, RequestHistory) or len(hist.weights) != self.gamma:
+                raise InvalidArgument(f"{name}.weights", getattr(hist, "weights", hist),
+                                      f"must be {self.gamma} weights (one per draft slot)")
         _require_int("draft_vocab_size", self.draft_vocab_size, low=0, high=self.vocab_size)
         if self.target_tensors not in (None, TARGET_TENSORS_REFERENCED):
             raise InvalidArgument("target_tensors", self.target_tensors,
@@ -251,10 +264,11 @@ class DrafterConfig:
         with_markov = self.confidence_head_with_markov and self.markov_rank > 0
         return self.hidden_size + (self.markov_rank if with_markov else 0)
 
-    def with_calibration(self, temperatures, greedy=_KEEP, *, biases=None, greedy_biases=_KEEP) -> DrafterConfig:
-        """Install a calibration: `temperatures` (and Platt `biases`, None = all 0) for the (sampled)
-        confidence head and, if given, `greedy` / `greedy_biases` for the greedy output (default: keep the
-        current ones); temperatures None = all 1.0."""
+    def with_calibration(self, temperatures, greedy=_KEEP, *, biases=None, greedy_biases=_KEEP, history=None,
+                         greedy_history=_KEEP) -> DrafterConfig:
+        """Install a calibration: `temperatures` (and Platt `biases`, None = all 0; a `history`, None = none)
+        for the (sampled) confidence head and, if given, `greedy` / `greedy_biases` / `greedy_history` for the
+        greedy output (default: keep the current ones); temperatures None = all 1.0."""
         def tup(x):
             return None if x is None else tuple(float(v) for v in x)
 
@@ -262,11 +276,21 @@ class DrafterConfig:
             greedy = self.calibration_temperatures_greedy
             if greedy_biases is _KEEP:
                 greedy_biases = self.calibration_biases_greedy
-        elif greedy_biases is _KEEP:
-            greedy_biases = None
+            if greedy_history is _KEEP:
+                greedy_history = self.calibration_history_greedy
+        else:
+            if greedy_biases is _KEEP:
+                greedy_biases = None
+            if greedy_history is _KEEP:
+                greedy_history = None
         return dataclasses.replace(self, calibration_temperatures=tup(temperatures),
                                    calibration_temperatures_greedy=tup(greedy), calibration_biases=tup(biases),
-                                   calibration_biases_greedy=tup(greedy_biases))
+                                   calibration_biases_greedy=tup(greedy_biases), calibration_history=history,
+                                   calibration_history_greedy=greedy_history)
+
+    def confidence_history(self, greedy: bool) -> RequestHistory | None:
+        """The request history of the greedy output (`greedy`) or of the sampled head; None = none."""
+        return self.calibration_history_greedy if greedy else self.calibration_history
 
     # ---- config.json ----------------------------------------------------------------------------
 
@@ -333,6 +357,8 @@ class DrafterConfig:
             calibration_temperatures_greedy=None if calib is None else parse_greedy_calibration(calib),
             calibration_biases=None if calib is None else parse_calibration_biases(calib),
             calibration_biases_greedy=None if calib is None else parse_calibration_biases(calib, greedy=True),
+            calibration_history=None if calib is None else parse_calibration_history(calib),
+            calibration_history_greedy=None if calib is None else parse_calibration_history(calib, greedy=True),
             extra={k: v for k, v in d.items() if k not in _OWNED_KEYS},
         )
         return cls(**kwargs)
@@ -379,10 +405,14 @@ class DrafterConfig:
                      "temperatures": list(self.calibration_temperatures)}
             if self.calibration_biases:
                 block["biases"] = list(self.calibration_biases)
+            if self.calibration_history is not None:
+                block["request_history"] = self.calibration_history.to_dict()
             if self.calibration_temperatures_greedy is not None:
                 block["greedy"] = {"temperatures": list(self.calibration_temperatures_greedy)}
                 if self.calibration_biases_greedy:
                     block["greedy"].update(method="platt", biases=list(self.calibration_biases_greedy))
+                if self.calibration_history_greedy is not None:
+                    block["greedy"]["request_history"] = self.calibration_history_greedy.to_dict()
             optional["calibration"] = block
         d.update({k: v for k, v in optional.items() if v is not None})
         return d
@@ -413,6 +443,22 @@ def parse_calibration_biases(block: Mapping, greedy: bool = False) -> tuple[floa
     if isinstance(temps, list) and len(temps) != len(biases):
         raise InvalidArgument(f"{name}.biases", len(biases), f"must have one bias per temperature ({len(temps)})")
     return tuple(float(b) for b in biases)
+
+
+def parse_calibration_history(block: Mapping, greedy: bool = False) -> RequestHistory | None:
+    """The optional `"request_history"` of a calibration block (or of its `greedy` section); None when absent.
+    Its weights must match the temperatures' length."""
+    name = "calibration.greedy" if greedy else "calibration"
+    section = block.get("greedy") if greedy else block
+    if not isinstance(section, Mapping) or section.get("request_history") is None:
+        return None
+    hist = RequestHistory.from_dict(dict(section["request_history"]) if isinstance(section["request_history"], Mapping)
+                                    else section["request_history"], f"{name}.request_history")
+    temps = section.get("temperatures")
+    if isinstance(temps, list) and len(temps) != len(hist.weights):
+        raise InvalidArgument(f"{name}.request_history.weights", len(hist.weights),
+                              f"must have one weight per temperature ({len(temps)})")
+    return hist
 
 
 def _temperature_list(name: str, temps: object) -> tuple[float, ...]:
@@ -462,7 +508,9 @@ def load_config(path: str | Path, calibration_file: str | Path | None = None) ->
             block = _read_json(calib_path)
             config = config.with_calibration(parse_calibration(block), parse_greedy_calibration(block),
                                              biases=parse_calibration_biases(block),
-                                             greedy_biases=parse_calibration_biases(block, greedy=True))
+                                             greedy_biases=parse_calibration_biases(block, greedy=True),
+                                             history=parse_calibration_history(block),
+                                             greedy_history=parse_calibration_history(block, greedy=True))
         except InvalidArgument as exc:
             raise ModelLoadError(f"{calib_path}: {exc}") from exc
     return config

@@ -110,10 +110,18 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
     def new_state(self) -> DSparkState:
         return DSparkState(KVCache(len(self.layers)))
 
-    def set_calibration(self, temperatures, biases=None) -> None:
-        """Install a calibration of the sampled confidence head: temperatures (one per slot; None = all 1.0)
-        and Platt biases (None = all 0)."""
-        self.config = self.config.with_calibration(temperatures, biases=biases)
+    def set_calibration(self, temperatures, biases=None, history=None) -> None:
+        """Install a calibration of the sampled confidence head: temperatures (one per slot; None = all 1.0),
+        Platt biases (None = all 0) and a request history (dspark_core.calibration.RequestHistory, None = none)."""
+        self.config = self.config.with_calibration(temperatures, biases=biases, history=history)
+
+    def confidence_history(self, greedy: bool):
+        """The request history (dspark_core.calibration.RequestHistory) that calibrates the confidences of a
+        temperature-0 (`greedy`) or sampled request's proposals; None = none. Temperature-0 requests read the
+        greedy output's when the drafter has one (as `propose` does)."""
+        if not self.has_confidence:
+            return None
+        return self.config.confidence_history(greedy and self.config.greedy_confidence_head)
 
     @torch.no_grad()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:

@@ -283,4 +283,17 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
             has_confidence_head=bool(cfg.enable_confidence_head), block_size=d.block_size,
             max_support_size=d.support_size,
             target_model_name=str(cfg.extra.get("target_model_name_or_path", "") or ""),
-            target_layer_ids=[int(x) for x in d.target_layer_ids], target_hidden_size=self.hidden)
+            target_layer_ids=[int(x) for x in d.target_layer_ids], target_hidden_size=self.hidden,
+            **{field: _history_proto(hist) for field, hist in (
+                ("request_history", _history_of(d, greedy=False)),
+                ("request_history_greedy", _history_of(d, greedy=True))) if hist is not None})
+
+
+def _history_of(drafter, greedy: bool):
+    """The drafter's request history for sampled or temperature-0 requests (None: none, or a drafter without)."""
+    of = getattr(drafter, "confidence_history", None)
+    return None if of is None else of(greedy)
+
+
+def _history_proto(hist) -> types_pb2.ConfidenceHistory:
+    return types_pb2.ConfidenceHistory(weights=list(hist.weights), strength=hist.strength, prior=hist.prior)

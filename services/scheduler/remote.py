@@ -370,6 +370,24 @@ class DraftHandle:
     resend: bool = False  # the drafter lost the context: send it all again
 
 
+def _history_from_proto(info, field: str, block_size: int, name: str):
+    """A GetInfo reply's request history, checked (it only moves lengths: a malformed one is logged and
+    dropped, not fatal)."""
+    from dspark_core.calibration import RequestHistory
+
+    if not info.HasField(field):
+        return None
+    msg = getattr(info, field)
+    try:
+        hist = RequestHistory(tuple(msg.weights), float(msg.strength), float(msg.prior))
+        if len(hist.weights) != block_size:
+            raise InvalidArgument(f"{field}.weights", len(hist.weights), f"must be block_size = {block_size} numbers")
+    except InvalidArgument as exc:
+        log.warning("drafter %s reported an unusable %s (%s); its requests go without it", name, field, exc)
+        return None
+    return hist
+
+
 class RemoteDrafter:
     def __init__(self, pool: PodPool, verifier: RemoteVerifier, info, hidden_size: int, vocab_size: int,
                  timeout_s: float = 60.0):
@@ -386,6 +404,13 @@ class RemoteDrafter:
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         # what the drafter was trained for (0 / "": not reported)
         self.target_hidden_size, self.target_model_name = int(info.target_hidden_size), info.target_model_name
+        # its request-history recalibration, applied here from each request's verified rounds (None: none)
+        self._history = {False: _history_from_proto(info, "request_history", self.block_size, self.name),
+                         True: _history_from_proto(info, "request_history_greedy", self.block_size, self.name)}
+
+    def confidence_history(self, greedy: bool):
+        """The drafter's request history for temperature-0 (`greedy`) or sampled requests; None = none."""
+        return self._history[bool(greedy)] if self.has_confidence else None
 
     @classmethod
     def connect(cls, pool: PodPool, verifier: RemoteVerifier, hidden_size: int, vocab_size: int,

@@ -115,6 +115,10 @@ def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp
     assert r["method"] == "platt" and len(r["biases"]) == 4
     assert load_drafter(d).config.sts_temperatures == tuple(r["temperatures"])
     assert load_drafter(d).config.calibration_bias_values == tuple(r["biases"])
+    # the request history is fitted by default and installed with the rest
+    hist = r["request_history"]
+    assert len(hist["weights"]) == 4 and hist["strength"] == 4.0 and 0 < hist["prior"] < 1
+    assert load_drafter(d).config.calibration_history.to_dict() == hist
     assert all((tmp_path / "p" / f).stat().st_size > 0
                for f in ("reliability_before.png", "reliability_after.png"))
     assert r["samples"] == 2 and r["seeds"] == [0, 1]
@@ -135,6 +139,9 @@ def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp
     assert "biases" not in json.loads((tmp_path / "sts" / "calibration.json").read_text())
     saved = np.load(tmp_path / "rounds.npz")
     assert saved["logits"].shape == (sts["rounds_fit"] + sts["rounds_check"], 4)
+    # one request id per (rollout, prompt), rows in round order within each
+    assert saved["request_index"].shape == saved["prompt_index"].shape
+    assert len(np.unique(saved["request_index"])) == sts["num_prompts"]
     assert (saved["accepted"] <= saved["proposed"]).all() and saved["prompt_index"].shape == saved["accepted"].shape
     # refit from the saved rounds, no model loaded: the same fit as the run that saved them, or another method
     assert main(["calibrate", "--from-rounds", str(tmp_path / "rounds.npz"), "--drafter-path", str(d),
@@ -147,6 +154,15 @@ def test_calibrate_writes_sidecar_table_and_plots(shared_fixtures, ids_file, tmp
                  "--min-rounds", "5", "--no-holdout", "--json", "--dry-run"]) == 0
     everything = json.loads(capsys.readouterr().out)
     assert everything["method"] == "platt" and everything["rounds_fit"] == saved["accepted"].size
+    # a file from before request ids were saved (rounds request by request): the same fit, ids from the runs
+    old = {k: saved[k] for k in saved.files if k != "request_index"}
+    np.savez(tmp_path / "old.npz", **old)
+    assert main(["calibrate", "--from-rounds", str(tmp_path / "old.npz"), "--drafter-path", str(d),
+                 "--min-rounds", "5", "--no-holdout", "--json", "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["request_history"] == everything["request_history"]
+    assert main(["calibrate", "--from-rounds", str(tmp_path / "rounds.npz"), "--drafter-path", str(d),
+                 "--min-rounds", "5", "--no-holdout", "--json", "--dry-run", "--request-history", "off"]) == 0
+    assert json.loads(capsys.readouterr().out)["request_history"] is None
     (tmp_path / "junk.npz").write_bytes(b"not a rounds file")
     assert main(["calibrate", "--from-rounds", str(tmp_path / "junk.npz"), "--drafter-path", str(d)]) == 2
     assert "--from-rounds" in capsys.readouterr().err

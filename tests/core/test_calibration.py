@@ -201,3 +201,97 @@ def test_write_platt_calibration_round_trips_through_load_drafter(shared_fixture
     cal.write_calibration(d, [2.0] * 4)
     config = load_drafter(d).config
     assert config.calibration_bias_values == (0.0,) * 4 and config.calibration_bias_values_greedy == (1.0,) * 4
+
+
+# ---- request-history recalibration -----------------------------------------------------------------
+
+def request_effect_records(requests=300, rounds=40, gamma=3, spread=1.2, seed=0):
+    """Each request has its own offset u_r ~ N(0, spread) that the head does not see: true acceptance at slot
+    k is sigmoid(z_k + u_r), the head reports z_k. Rows come request by request, in round order."""
+    rng = np.random.default_rng(seed)
+    u = rng.normal(0.0, spread, size=requests)
+    req = np.repeat(np.arange(requests), rounds)
+    z = rng.normal(0.0, 1.0, size=(requests * rounds, gamma))
+    ok = rng.random(z.shape) < 1 / (1 + np.exp(-(z + u[req][:, None])))
+    accepted = np.where(ok.all(axis=1), gamma, np.argmin(ok, axis=1))
+    return cal.RolloutRecords(z, np.full(req.size, gamma), accepted.astype(np.int64), req)
+
+
+def test_history_offsets_read_only_earlier_rounds_of_the_same_request():
+    # request 7: rounds accept, reject, (proposes nothing), accept; request 3 interleaved between them
+    rec = cal.RolloutRecords(np.array([[0.0], [0.0], [5.0], [np.nan], [0.0]]), np.array([1, 1, 1, 0, 1]),
+                             np.array([1, 0, 1, 0, 1]), np.array([7, 7, 3, 7, 7]))
+    h = cal.RequestHistory((1.0,), strength=2.0, prior=0.5)
+    g = cal.history_offsets(rec, np.zeros(5), h)  # every calibrated c_1 = 0.5
+    assert g[0] == 0.0 and g[2] == 0.0  # first rounds of each request: no history
+    assert g[1] == pytest.approx(h.offset(1, 1, 0.5)) and g[1] > 0  # one accepted round at c = 0.5
+    assert g[3] == pytest.approx(h.offset(2, 1, 1.0)) == pytest.approx(0.0)  # 1 of 2 at c = 0.5: on par
+    assert g[4] == g[3]  # the round that verified no draft does not count
+    # changing a later round never changes an earlier offset
+    later = cal.RolloutRecords(rec.logits, rec.proposed, np.array([1, 0, 1, 0, 0]), rec.request)
+    assert np.array_equal(cal.history_offsets(later, np.zeros(5), h), g)
+    # no request ids: no history
+    assert not cal.history_offsets(rec.with_requests(None), np.zeros(5), h).any()
+
+
+def test_request_history_removes_a_per_request_error_platt_cannot():
+    rec = request_effect_records()
+    odd = rec.request % 2 == 1
+    fit_on, check = rec.subset(~odd), rec.subset(odd)
+    platt = cal.fit_calibration(fit_on, "platt", min_rounds=50)
+    hist = cal.fit_calibration(fit_on, "platt", min_rounds=50, request_history=True)
+    assert platt.history is None and hist.history is not None
+    assert hist.temperatures == platt.temperatures and hist.biases == platt.biases
+    assert hist.history.weights[0] > 0.5, hist.history  # the slot-1 history says where the request stands
+    before = cal.calibration_table(check, None, platt)
+    after = cal.calibration_table(check, None, hist)
+    assert after[0]["auc_survival"] > before[0]["auc_survival"] + 0.02
+    for b, a in zip(before, after):
+        assert a["ece_survival_sts"] < b["ece_survival_sts"] + 0.003
+    # a head that has no per-request error gets (nearly) nothing from it
+    flat = request_effect_records(spread=0.0, seed=1)
+    assert abs(cal.fit_calibration(flat, "platt", request_history=True).history.weights[0]) < 0.3
+    with pytest.raises(InvalidArgument, match="request"):
+        cal.fit_history(rec.with_requests(None), platt)
+
+
+def test_requests_from_runs_and_history_values_are_checked():
+    assert cal.requests_from_runs([4, 4, 2, 2, 2, 4]).tolist() == [0, 0, 1, 1, 1, 2]
+    with pytest.raises(InvalidArgument, match="request_history.prior"):
+        cal.RequestHistory((1.0,), prior=1.0)
+    with pytest.raises(InvalidArgument, match="request_history.strength"):
+        cal.RequestHistory((1.0,), strength=0.0)
+    with pytest.raises(InvalidArgument, match="request_history.weights"):
+        cal.RequestHistory((float("nan"),))
+    with pytest.raises(InvalidArgument, match="request_history.weights"):
+        cal.Calibration((1.0, 1.0), None, cal.RequestHistory((1.0,)))
+    with pytest.raises(InvalidArgument, match="calibration.request_history.bogus"):
+        cal.RequestHistory.from_dict({"weights": [1.0], "bogus": 1}, "calibration.request_history")
+    with pytest.raises(InvalidArgument, match="x.strength"):
+        cal.RequestHistory.from_dict({"weights": [1.0], "strength": "4"}, "x")
+    with pytest.raises(InvalidArgument, match="records.request"):
+        cal.RolloutRecords(np.zeros((2, 1)), np.ones(2, dtype=np.int64), np.ones(2, dtype=np.int64), np.zeros(3))
+
+
+def test_write_request_history_round_trips_through_load_drafter(shared_fixtures, tmp_path):
+    from dspark_core.drafters import load_drafter
+    from dspark_core.errors import ModelLoadError
+
+    d = tmp_path / "dspark"
+    d.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(shared_fixtures / "dspark" / f, d / f)
+    hist = cal.RequestHistory((0.9, -0.2, 0.1, 0.0), strength=4.0, prior=0.4)
+    cal.write_calibration(d, cal.Calibration((1.2,) * 4, (-0.3,) * 4, hist))
+    cal.write_calibration(d, cal.Calibration((0.8,) * 4, (0.1,) * 4), greedy=True)
+    drafter = load_drafter(d)
+    assert drafter.config.calibration_history == hist and drafter.config.calibration_history_greedy is None
+    assert drafter.confidence_history(False) == hist
+    # the fixture has no greedy output: temperature-0 requests read the sampled head and its history
+    assert drafter.confidence_history(True) == hist
+    assert drafter.config.to_dict()["calibration"]["request_history"] == hist.to_dict()
+    body = json.loads((d / "calibration.json").read_text())
+    body["request_history"]["weights"] = [1.0]
+    (d / "calibration.json").write_text(json.dumps(body))
+    with pytest.raises(ModelLoadError, match="calibration.request_history.weights"):
+        load_drafter(d)

@@ -199,3 +199,12 @@ def test_online_platt_refit_composes_with_the_served_calibration():
     assert sts_table[0]["ece_survival_sts"] > table[0]["ece_survival_sts"] + 0.02
     with pytest.raises(InvalidArgument, match="biases"):
         refit_calibration(records, served_t, (0.0,), min_rounds=50)
+    # a request history served beside them: its term was inside the recorded logits, so its weights scale by 1 / t'
+    from dspark_core.calibration import RequestHistory
+
+    hist = RequestHistory((1.0, -0.5), strength=4.0, prior=0.4)
+    with_hist, _ = refit_calibration(records, served_t, served_b, min_rounds=50, history=hist)
+    fit_t = [a / s for a, s in zip(with_hist.temperatures, served_t)]
+    assert with_hist.history.weights == pytest.approx([w / f for w, f in zip(hist.weights, fit_t)])
+    assert (with_hist.history.strength, with_hist.history.prior) == (4.0, 0.4)
+    assert calib.history is None

@@ -264,7 +264,9 @@ def test_layout_and_naming(files):
             for f in m.field:
                 assert re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", f.name), f"{m.name}.{f.name}"
                 if f.type == f.TYPE_FLOAT or f.type == f.TYPE_DOUBLE:  # bulk tensors are bytes, not floats
-                    assert f.label != f.LABEL_REPEATED or m.name in {"SparseDistribution", "Proposal"}, \
+                    # (per-slot values, a block's worth, are not bulk)
+                    assert f.label != f.LABEL_REPEATED or m.name in {"SparseDistribution", "Proposal",
+                                                                     "ConfidenceHistory"}, \
                         f"{m.name}.{f.name}: repeated floats; use Tensor"
 
 

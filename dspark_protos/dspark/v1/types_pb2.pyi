@@ -591,7 +591,7 @@ class DrafterServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterServiceGetInfoResponse(_message.Message):
-    __slots__ = ("drafter_id", "drafter_name", "kind", "sequential_head", "has_confidence_head", "block_size", "max_support_size", "target_model_name", "target_layer_ids", "target_hidden_size")
+    __slots__ = ("drafter_id", "drafter_name", "kind", "sequential_head", "has_confidence_head", "block_size", "max_support_size", "target_model_name", "target_layer_ids", "target_hidden_size", "request_history", "request_history_greedy")
     DRAFTER_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -602,6 +602,8 @@ class DrafterServiceGetInfoResponse(_message.Message):
     TARGET_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_HISTORY_GREEDY_FIELD_NUMBER: _ClassVar[int]
     drafter_id: str
     drafter_name: str
     kind: DrafterKind
@@ -612,4 +614,16 @@ class DrafterServiceGetInfoResponse(_message.Message):
     target_model_name: str
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     target_hidden_size: int
-    def __init__(self, drafter_id: _Optional[str] = ..., drafter_name: _Optional[str] = ..., kind: _Optional[_Union[DrafterKind, str]] = ..., sequential_head: _Optional[_Union[SequentialHead, str]] = ..., has_confidence_head: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_support_size: _Optional[int] = ..., target_model_name: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ...) -> None: ...
+    request_history: ConfidenceHistory
+    request_history_greedy: ConfidenceHistory
+    def __init__(self, drafter_id: _Optional[str] = ..., drafter_name: _Optional[str] = ..., kind: _Optional[_Union[DrafterKind, str]] = ..., sequential_head: _Optional[_Union[SequentialHead, str]] = ..., has_confidence_head: _Optional[bool] = ..., block_size: _Optional[int] = ..., max_support_size: _Optional[int] = ..., target_model_name: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., request_history: _Optional[_Union[ConfidenceHistory, _Mapping]] = ..., request_history_greedy: _Optional[_Union[ConfidenceHistory, _Mapping]] = ...) -> None: ...
+
+class ConfidenceHistory(_message.Message):
+    __slots__ = ("weights", "strength", "prior")
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_FIELD_NUMBER: _ClassVar[int]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    strength: float
+    prior: float
+    def __init__(self, weights: _Optional[_Iterable[float]] = ..., strength: _Optional[float] = ..., prior: _Optional[float] = ...) -> None: ...
