@@ -317,6 +317,7 @@ class Engine:
         if scheduling.policy_spec(config.policy).needs_sps and sps is None:
             raise InvalidArgument("policy", config.policy, "needs the target's SPS cost table (run `dspark profile`)")
         self._draft_seconds = 0.0
+        self._draft_steady = False  # a drafting pass without catch-up has been timed (see _schedule)
         self._sps_cache: dict = {}
         self._sps_base = None  # the table _sps_cache was derived from
         self.online_sps: OnlineSpsTable | None = None
@@ -660,6 +661,10 @@ class Engine:
                 temperature=r.params.temperature, generator=r.draft_generator if r.seeded else None,
                 coupling_seed=r.params.seed if self._coupled(r) else None,
                 processing=DraftProcessing(r.params, r.history()) if r.params.processed else None))
+        # a pass that extends some request's drafter context by more than one round can commit (its prompt after
+        # prefill, or the positions it skipped while gated) costs more than drafting will from then on
+        catch_up = max((0 if r.pending_features is None else int(r.pending_features.shape[0]) for r in reqs),
+                       default=0) > self.block_size + 1
         start = time.perf_counter()
         with rec.stage("draft"):
             # one batched propose for every request: a seeded request's output is fixed by its seed
@@ -673,9 +678,10 @@ class Engine:
             r.pending_start, r.pending_tokens = r.anchor_pos, []
         rec.proposals = proposals
         with rec.stage("schedule"):
-            return self._schedule(reqs, proposals, rec, elapsed)
+            return self._schedule(reqs, proposals, rec, elapsed, catch_up)
 
-    def _schedule(self, reqs, proposals, rec: "_StepLog", elapsed: float) -> tuple[list[DraftBlock], list[list[float]]]:
+    def _schedule(self, reqs, proposals, rec: "_StepLog", elapsed: float, catch_up: bool = False
+                  ) -> tuple[list[DraftBlock], list[list[float]]]:
         """The policy's lengths and the verify blocks of one drafted round."""
         gamma = self.block_size
         confs = []
@@ -696,10 +702,17 @@ class Engine:
             confs.append(c)
         lengths = self._lengths(confs, [r.request_id for r in reqs])
         # exponential moving average of the drafting time per step (the policies' fixed per-step cost), updated
-        # after this step's schedule: a decision only ever sees earlier steps' timings
-        self._draft_seconds = elapsed if self._draft_seconds <= 0 else 0.8 * self._draft_seconds + 0.2 * elapsed
-        if self._gating():
-            self._gate(reqs, confs, lengths, elapsed, len(rec.request_ids))
+        # after this step's schedule: a decision only ever sees earlier steps' timings. A catch-up pass (above)
+        # is not what the next rounds' drafting costs: it counts only until a steady pass has been timed.
+        if not catch_up and not self._draft_steady:
+            self._draft_seconds, self._draft_steady = elapsed, True
+        elif not catch_up or self._draft_seconds <= 0:
+            self._draft_seconds = elapsed if self._draft_seconds <= 0 else 0.8 * self._draft_seconds + 0.2 * elapsed
+        if self._gating() and (not catch_up or self._draft_steady):
+            # the gate weighs what drafting will cost from here: a catch-up pass is charged at the steady time
+            # (before one was timed it decides nothing: a request's first round, with its whole prompt to
+            # extend, would otherwise look several times dearer than drafting for it is)
+            self._gate(reqs, confs, lengths, self._draft_seconds if catch_up else elapsed, len(rec.request_ids))
         blocks = []
         for r, p, l in zip(reqs, proposals, lengths):
             # the verify block must fit in the context window: anchor + l drafts

@@ -72,3 +72,28 @@ def test_where_drafts_pay_every_step_drafts(stack):
     engine, out, calls = _run(target, drafter, FLAT, gate=True, temperature=1.0)
     assert engine.num_gated_drafts == 0 and sum(n for _, n in calls) == sum(len(r.proposed_per_round) for r in out)
     assert sum(sum(r.accepted_per_round) for r in out) > 0
+
+
+def test_a_catch_up_pass_does_not_gate_requests_whose_drafts_pay(stack):
+    """A request's first pass extends the drafter over its whole prompt (and a pass after a gated stretch over
+    the positions it skipped): slower than drafting will be from then on. The gate charges such a pass at the
+    steady drafting time, so it does not stop drafts that pay."""
+    import time
+
+    target, drafter = stack
+    gamma = drafter.block_size
+    propose = drafter.propose
+
+    def slow_catch_up(items):
+        if any(it.new_features is not None and it.new_features.shape[0] > gamma + 1 for it in items):
+            time.sleep(0.25)  # at 20 steps/s: five steps' worth, several times what any drafts could earn
+        return propose(items)
+
+    drafter.propose = slow_catch_up  # _run wraps it once more, and removes the instance's override after
+    try:
+        engine, out, calls = _run(target, drafter, SpsTable(batch_sizes=(1, 64), steps_per_second=(20.0, 20.0)),
+                                  gate=True)
+    finally:
+        drafter.__dict__.pop("propose", None)
+    assert engine.num_gated_drafts == 0
+    assert sum(n for _, n in calls) == sum(len(r.proposed_per_round) for r in out)
