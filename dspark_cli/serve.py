@@ -54,6 +54,7 @@ def _add_all_args(p: argparse.ArgumentParser) -> None:
     flags.add_api_keys(p)
     flags.add_model(p)
     flags.add_weights_arg(p, flags.env("WEIGHTS", "auto"))
+    flags.add_kv_cache_arg(p)
     add_engine_args(p)
     add_target_arg(p, flags.env("TARGET"))
     add_drafter_args(p, flags.env("DRAFTER", "auto"), flags.env("DRAFTER_PATH"))
@@ -81,7 +82,7 @@ def _run_all(args) -> int:
         embedded_sps_file=str(sps) if (sps := find_generated(target, SPS_FILE)) else None,
         embedded_calibration_file=str(cal) if drafter and (cal := calibration_of(drafter)) else None,
         served_model_name=args.served_model_name, device=args.device, dtype=args.dtype, weights=args.weights,
-        policy=args.policy, block_size=args.block_size, max_active=args.max_active, max_waiting=args.max_waiting,
+        kv_cache_bytes=flags.kv_cache_bytes(args), policy=args.policy, block_size=args.block_size, max_active=args.max_active, max_waiting=args.max_waiting,
         default_max_new_tokens=args.default_max_new_tokens, profile_budget_s=args.sps_profile_seconds,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,

@@ -37,7 +37,7 @@ from .drafters.base import DraftProcessing, Proposal, ProposeItem
 from .errors import InvalidArgument, NotFound, ResourceExhausted
 from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord
 from .sampling import SamplingParams, TokenHistory, TokenLogprob, make_generator
-from .target import TargetRuntime
+from .target import KVCacheFull, TargetRuntime
 from .verification import DraftBlock, couple_draft, process_draft
 from .verifier import PrefillItem, StepResult, Verifier, VerifyItem
 
@@ -318,6 +318,7 @@ class Engine:
             raise InvalidArgument("policy", config.policy, "needs the target's SPS cost table (run `dspark profile`)")
         self._draft_seconds = 0.0
         self._draft_steady = False  # a drafting pass without catch-up has been timed (see _schedule)
+        self._waits_for_kv = False  # the queue's head was refused for KV room (see _admit)
         self._sps_cache: dict = {}
         self._sps_base = None  # the table _sps_cache was derived from
         self.online_sps: OnlineSpsTable | None = None
@@ -528,6 +529,8 @@ class Engine:
 
     def _admit(self, events: dict[str, list[int]], rec: "_StepLog") -> None:
         room = self.config.max_active - len(self.active)
+        if self._waits_for_kv:
+            room = min(room, 1)  # the head of the queue waits for KV room: nobody overtakes it
         joining, self.waiting = self.waiting[:room], self.waiting[room:]
         if not joining:
             return
@@ -542,9 +545,14 @@ class Engine:
             self.waiting[:0] = joining  # nothing was admitted: they wait for the next step
             raise
         back = []
+        self._waits_for_kv = False
         for req, res in zip(joining, results):
             if isinstance(res, BaseException):
-                if _refused(res):
+                if isinstance(res, KVCacheFull) and res.fits_alone and (self.active or back):
+                    # no KV room while the others run: it waits at the head of the queue until they free some
+                    back.append(req)
+                    self._waits_for_kv = True
+                elif _refused(res):
                     self._fail(req, res, events)
                 else:
                     back.append(req)  # not its fault: it tries again next step

@@ -168,17 +168,19 @@ def load_drafter_runtime(drafter_path: str, device: str = "auto", dtype: str = "
 
 
 def load_target_runtime(target_dir: str, device: str = "auto", dtype: str = "auto",
-                        tap_layer_ids: tuple[int, ...] = (), weights: str = "auto"):
-    """A target on `device` in `dtype`, its matmuls in `weights` (dspark_core.packed_weights)."""
+                        tap_layer_ids: tuple[int, ...] = (), weights: str = "auto", kv_cache_bytes: int | None = None):
+    """A target on `device` in `dtype`, its matmuls in `weights` (dspark_core.packed_weights), its KV store within
+    `kv_cache_bytes` (None: the default budget)."""
     from .target import TargetConfig, TargetRuntime
 
     return TargetRuntime(TargetConfig(model_dir=target_dir, device=device, dtype=dtype,
-                                      tap_layer_ids=tuple(tap_layer_ids), weights=weights))
+                                      tap_layer_ids=tuple(tap_layer_ids), weights=weights,
+                                      kv_cache_bytes=kv_cache_bytes))
 
 
 def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", dtype: str = "auto",
                drafter_matmul_dtype: str = "auto", auto: bool = False, say=None,
-               calibration_file: str | Path | None = None, weights: str = "auto"):
+               calibration_file: str | Path | None = None, weights: str = "auto", kv_cache_bytes: int | None = None):
     """(target, drafter or None). The drafter loads first: its config says which target layers to tap.
 
     The drafter must have been trained for this target (`drafters.target_record`: shapes before anything
@@ -193,7 +195,7 @@ def load_stack(target_dir: str, drafter_path: str | None, device: str = "auto", 
         tr.check_shapes(load_config(drafter_path), drafter_path, target_dir)
         drafter = load_drafter_runtime(drafter_path, device, dtype, drafter_matmul_dtype, calibration_file, target_dir)
     target = load_target_runtime(target_dir, device, dtype, tuple(drafter.target_layer_ids) if drafter else (),
-                                 weights)
+                                 weights, kv_cache_bytes)
     if drafter is not None and target.vocab_size != drafter.vocab_size:
         raise ModelLoadError(
             f"drafter vocabulary ({drafter.vocab_size}) does not match the target's ({target.vocab_size})")

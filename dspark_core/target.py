@@ -23,6 +23,7 @@ embedding output, and the last layer is refused (HF returns it after the final n
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,8 +74,15 @@ class TargetConfig:
     # was imported from one (gguf_source.json), else the loaded weights; float32 = the loaded (for an imported
     # GGUF: dequantized) weights; bfloat16 / int8 / int4 = packed copies of them; gguf = the GGUF's blocks
     weights: str = "auto"
+    # bytes the KV store of all sequences may take; None = auto (DSPARK_KV_CACHE_GB, else half the memory
+    # available when the target loads: host memory on a CPU, free device memory on CUDA). Admission refuses a
+    # request whose whole context (prompt + max_new_tokens) would take the store past it (KVCacheFull)
+    kv_cache_bytes: int | None = None
 
     def __post_init__(self):
+        if self.kv_cache_bytes is not None and (isinstance(self.kv_cache_bytes, bool)
+                                                or not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 1):
+            raise InvalidArgument("kv_cache_bytes", self.kv_cache_bytes, "must be a positive integer (bytes) or None (auto)")
         if self.weights not in WEIGHT_FORMATS:
             raise InvalidArgument("weights", self.weights, f"must be one of {', '.join(WEIGHT_FORMATS)}")
         ids = tuple(self.tap_layer_ids)
@@ -92,6 +100,8 @@ class Sequence:
     slot: int
     length: int = 0
     released: bool = False
+    # positions its KV cache may reach (prompt + max_new_tokens + a verify block), what admission counted
+    reserved: int = 0
 
 
 @dataclass
@@ -134,6 +144,21 @@ class SlotKVCache(Cache):
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.slot_capacity, self.length_capacity = 0, 0
         self._plan: dict | None = None
+        # the store's budget (TargetRuntime sets both): growth doubles while it stays within it, else grows exactly
+        self.budget_bytes: int | None = None
+        self.bytes_per_token = 0
+
+    def nbytes(self, slots: int | None = None, length: int | None = None) -> int:
+        """Bytes of a store of `slots` x `length` positions (default: the current capacity)."""
+        slots = self.slot_capacity if slots is None else slots
+        length = self.length_capacity if length is None else length
+        return slots * length * self.bytes_per_token
+
+    def clear(self) -> None:
+        """Free the store (no sequence holds anything in it)."""
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.slot_capacity, self.length_capacity = 0, 0
 
     # -- capacity
     @torch.no_grad()
@@ -145,6 +170,9 @@ class SlotKVCache(Cache):
         while new_len < length:
             new_len *= 2
         new_len = min(new_len, max(self.max_length, length))
+        if self.budget_bytes is not None and self.nbytes(new_slots, new_len) > self.budget_bytes:
+            # no headroom for doubling: what is needed, exactly (admission keeps that within the budget)
+            new_slots, new_len = max(self.slot_capacity, slots), max(self.length_capacity, length)
         if new_slots == self.slot_capacity and new_len == self.length_capacity:
             return
         for i in range(self.num_layers):
@@ -224,6 +252,65 @@ class SlotKVCache(Cache):
         return False
 
 
+# positions past a request's last token that a verify pass may write (the anchor and up to 32 drafts)
+VERIFY_BLOCK_MARGIN = 33
+
+
+class KVCacheFull(ResourceExhausted):
+    """The KV store has no room for a request now; `fits_alone`: it would fit once the others are done."""
+
+    def __init__(self, message: str, fits_alone: bool):
+        super().__init__(message)
+        self.fits_alone = fits_alone
+
+
+def _kv_budget(configured: int | None, device: torch.device) -> int:
+    """The KV store's budget in bytes: as configured, else DSPARK_KV_CACHE_GB, else half the memory available
+    now (host memory; free device memory on CUDA)."""
+    import os
+
+    if configured is not None:
+        return int(configured)
+    env = os.environ.get("DSPARK_KV_CACHE_GB")
+    if env:
+        try:
+            gb = float(env)
+        except ValueError:
+            gb = -1.0
+        if not (math.isfinite(gb) and gb > 0):
+            raise InvalidArgument("DSPARK_KV_CACHE_GB", env, "must be a positive number of GiB")
+        return int(gb * 2**30)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free // 2)
+    try:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    except Exception:  # noqa: BLE001 - no way to read it: a bound that does not bind
+        return 2**62
+    room = _cgroup_room()  # in a container the host's free memory is not the pod's
+    return int(min(available, room if room is not None else available) // 2)
+
+
+def _cgroup_room() -> int | None:
+    """Memory this process's cgroup may still take (its limit less its usage), None without a limit."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = Path(limit_file).read_text().strip()
+            if raw == "max":
+                return None
+            limit, usage = int(raw), int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit >= 2**60:  # cgroup v1's "no limit"
+            return None
+        return max(limit - usage, 0)
+    return None
+
+
 def _check_model_dir(path: str) -> Path:
     p = Path(path)
     if not p.exists():
@@ -286,6 +373,12 @@ class TargetRuntime:
         self._decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         self._lm_head = self.model.get_output_embeddings()
         self.cache = SlotKVCache(self.num_layers, self.device, self.dtype, self.max_context)
+        heads = int(getattr(text_config, "num_attention_heads", 1) or 1)
+        kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text_config, "head_dim", None) or self.hidden_size // heads)
+        self.kv_bytes_per_token = self.num_layers * 2 * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+        self.cache.bytes_per_token = self.kv_bytes_per_token
+        self.cache.budget_bytes = self.kv_budget_bytes = _kv_budget(config.kv_cache_bytes, self.device)
         self._lean = None
         self.weights = self._resolve_weights(config, text_config, path)
         self._lm_mm: PackedLinear = DenseLinear(self._lm_head.weight.detach(), self._lm_head.bias)
@@ -373,6 +466,45 @@ class TargetRuntime:
     def num_active(self) -> int:
         return len(self._sequences)
 
+    # -- KV budget
+    def kv_reservation(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Positions a request's KV cache may reach: its prompt, every token it may generate and one verify
+        block past them, at most the context window."""
+        return min(self.max_context, int(prompt_tokens) + max(int(max_new_tokens), 0) + VERIFY_BLOCK_MARGIN)
+
+    def check_kv_room(self, reservations: list[int]) -> None:
+        """Raise KVCacheFull unless new sequences reserving `reservations` positions fit beside the active ones:
+        the store is one rectangle, active sequences x the longest reservation (at least its current shape)."""
+        if self.kv_budget_bytes is None or not reservations:
+            return
+        if not self._sequences and self.cache.nbytes(max(self.cache.slot_capacity, len(reservations)),
+                                                     max(self.cache.length_capacity, *reservations)) > self.kv_budget_bytes:
+            self.cache.clear()  # an idle store's past shape does not count
+        slots = max(self.cache.slot_capacity, len(self._sequences) + len(reservations))
+        length = max([self.cache.length_capacity, *reservations, *(s.reserved for s in self._sequences)])
+        need = self.cache.nbytes(slots, length)
+        if need > self.kv_budget_bytes:
+            alone = max(reservations) * self.kv_bytes_per_token
+            raise KVCacheFull(
+                f"KV cache budget exceeded: {len(self._sequences)} active + {len(reservations)} new sequences x "
+                f"{length} positions x {self.kv_bytes_per_token} bytes = {need / 2**30:.2f} GiB > "
+                f"{self.kv_budget_bytes / 2**30:.2f} GiB (kv_cache_bytes / --kv-cache-gb)",
+                fits_alone=alone <= self.kv_budget_bytes)
+
+    def extend_reservation(self, seq: Sequence, length: int) -> None:
+        """Let `seq` reach `length` positions: KVCacheFull when that takes the store past the budget."""
+        if length <= seq.reserved:
+            return
+        if self.kv_budget_bytes is not None:
+            slots = max(self.cache.slot_capacity, len(self._sequences))
+            longest = max([self.cache.length_capacity, length, *(s.reserved for s in self._sequences)])
+            if self.cache.nbytes(slots, longest) > self.kv_budget_bytes:
+                raise KVCacheFull(f"KV cache budget exceeded: a sequence reserved {seq.reserved} positions needs "
+                                  f"{length}, and {slots} x {longest} positions do not fit in "
+                                  f"{self.kv_budget_bytes / 2**30:.2f} GiB (kv_cache_bytes / --kv-cache-gb)",
+                                  fits_alone=False)
+        seq.reserved = length
+
     # -- sequence lifecycle
     def new_sequence(self) -> Sequence:
         seq = Sequence(slot=len(self._sequences))
@@ -389,6 +521,8 @@ class TargetRuntime:
             last.slot = seq.slot
             self._sequences[seq.slot] = last
         seq.released = True
+        if not self._sequences and self.kv_budget_bytes is not None and self.cache.nbytes() > self.kv_budget_bytes // 2:
+            self.cache.clear()  # an idle store gives a past peak back, so that it does not count against the next
 
     def fork(self, seq: Sequence) -> Sequence:
         """A new sequence whose KV cache is a copy of `seq`'s: requests with the same prompt (the n
@@ -398,7 +532,7 @@ class TargetRuntime:
         new = self.new_sequence()
         self.cache.reserve(len(self._sequences), seq.length)
         self.cache.move_slot(seq.slot, new.slot, seq.length)
-        new.length = seq.length
+        new.length, new.reserved = seq.length, seq.reserved
         return new
 
     def truncate(self, seq: Sequence, length: int) -> None:

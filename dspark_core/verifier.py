@@ -136,7 +136,12 @@ class Verifier:
         first_of: dict[tuple[int, ...], int] = {}  # prompt -> index of the item whose forward it shares
         unique = [first_of.setdefault(tuple(it.prompt_ids), i) == i for i, it in enumerate(items)]
         owners = [i for i, u in enumerate(unique) if u]
+        # every item holds a sequence (shared prompts too, as copies) reserving its whole context
+        reserved = [self.target.kv_reservation(len(it.prompt_ids), it.params.max_new_tokens) for it in items]
+        self.target.check_kv_room(reserved)
         seqs = {i: self.target.new_sequence() for i in owners}
+        for i in owners:
+            seqs[i].reserved = reserved[i]
         try:
             out = self._forward([(seqs[i], list(items[i].prompt_ids)) for i in owners],
                                 [items[i].params for i in owners], last_logits_only=True)
@@ -192,8 +197,11 @@ class Verifier:
         if not generated_ids:
             raise InvalidArgument("generated_ids", list(generated_ids), "must hold at least the anchor token")
         self._check_prompt(request_id, ids[:-1])
+        reserved = self.target.kv_reservation(len(ids), params.max_new_tokens - len(generated_ids))
+        self.target.check_kv_room([reserved])
         s = _Slot(self.target.new_sequence(), params, make_generator(derive_seed(params.seed, len(ids))), ids,
                   len(prompt_ids))
+        s.seq.reserved = reserved
         try:
             out = self.target.forward([(s.seq, ids[:-1])], last_logits_only=True)
         except Exception:
@@ -214,6 +222,9 @@ class Verifier:
             if it.anchor_pos + 1 + len(it.draft.tokens) > self.target.max_context:
                 raise InvalidArgument("draft", f"{len(it.draft.tokens)} tokens",
                                       f"must fit in the context window ({self.target.max_context})")
+            # past what admission reserved for it (a caller running a request beyond its max_new_tokens): only
+            # where the KV budget has the room
+            self.target.extend_reservation(s.seq, it.anchor_pos + 1 + len(it.draft.tokens))
             # Idempotent retries: whatever a lost reply committed is rolled back first.
             self.target.truncate(s.seq, it.anchor_pos)
             slots.append(s)

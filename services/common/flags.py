@@ -124,6 +124,26 @@ def add_weights_arg(p, default: str = "auto") -> None:
                         "(default %(default)s)")
 
 
+def add_kv_cache_arg(p) -> None:
+    """`--kv-cache-gb`: the budget of the target's KV store (dspark_core.target.TargetConfig.kv_cache_bytes)."""
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="GiB the target's KV caches may take together; a request whose whole context (prompt + "
+                        "max tokens) does not fit beside the others waits, one that cannot fit alone is refused "
+                        "(default: $DSPARK_KV_CACHE_GB, else half the memory available at start-up)")
+
+
+def kv_cache_bytes(args) -> int | None:
+    """`--kv-cache-gb` in bytes (None: the target's default), checked."""
+    from dspark_core.errors import InvalidArgument
+
+    gb = getattr(args, "kv_cache_gb", None)
+    if gb is None:
+        return None
+    if not (gb == gb and 0 < gb < 2**30):
+        raise InvalidArgument("--kv-cache-gb", gb, "must be a positive number of GiB")
+    return max(1, int(gb * 2**30))
+
+
 def install_dir() -> str:
     """`$DSPARK_HOME/models` (what `dspark profile` / `calibrate` generated for shipped models lives there)."""
     from dspark_core.stack import install_dir as root

@@ -59,6 +59,8 @@ class SchedulerConfig:
     device: str = "auto"
     dtype: str = "auto"
     weights: str = "auto"
+    # embedded: the KV store's budget in bytes (None: the target's default)
+    kv_cache_bytes: int | None = None
     # embedded, no sps.json for the target: seconds to spend profiling a quick cost table at start-up
     profile_budget_s: float = 30.0
     policy: str = "fixed"
@@ -177,7 +179,8 @@ class SchedulerApp(ServingApp):
 
         target, drafter = load_stack(c.embedded_target, c.embedded_drafter, c.device, c.dtype,
                                      c.embedded_matmul_dtype, auto=c.embedded_drafter_auto, say=no_drafter,
-                                     calibration_file=c.embedded_calibration_file, weights=c.weights)
+                                     calibration_file=c.embedded_calibration_file, weights=c.weights,
+                                     kv_cache_bytes=c.kv_cache_bytes)
         sps = None
         if drafter is not None and policy_spec(c.policy).needs_sps:
             sps = startup_sps(target, c.embedded_target, c.profile_budget_s, c.embedded_sps_file)

@@ -13,6 +13,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     flags.add_model(p)
     flags.add_target_arg(p, flags.env("TARGET"))
     flags.add_weights_arg(p, flags.env("WEIGHTS", "auto"))
+    flags.add_kv_cache_arg(p)
     p.add_argument("--drafter-path", default=flags.env("DRAFTER_PATH"),
                    help="drafter checkpoint whose config names the target layers to tap")
     p.add_argument("--tap-layer-ids", default=flags.env("TAP_LAYER_IDS"),
@@ -60,7 +61,8 @@ def run(args) -> int:
         drafter_path = resolve_drafter_path("auto", None, flags.env("MODELS_DIR"), target, home=flags.env("HOME"))
     cfg = VerifierConfig(
         target=target, server=ServerConfig(args.port, args.host, args.drain_seconds),
-        device=args.device, dtype=args.dtype, weights=args.weights, tap_layer_ids=taps, drafter_path=drafter_path,
+        device=args.device, dtype=args.dtype, weights=args.weights, kv_cache_bytes=flags.kv_cache_bytes(args),
+        tap_layer_ids=taps, drafter_path=drafter_path,
         redis_url=args.redis_url, verifier_id=args.id, advertise_host=args.advertise_host,
         advertise_address=args.advertise_address, max_active=args.max_active,
         max_per_caller=int(args.max_per_caller) if args.max_per_caller else None,

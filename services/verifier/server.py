@@ -34,6 +34,8 @@ class VerifierConfig:
     device: str = "auto"
     dtype: str = "auto"
     weights: str = "auto"
+    # the KV store's budget in bytes (None: the target's default, dspark_core.target.TargetConfig)
+    kv_cache_bytes: int | None = None
     # target layers to tap for the drafters (None: read them from drafter_path's config.json)
     tap_layer_ids: tuple[int, ...] | None = None
     drafter_path: str | None = None
@@ -134,7 +136,8 @@ class VerifierApp(PodLifecycle):
         from dspark_core.verifier import PrefillItem, Verifier
 
         cfg = self.config
-        target = load_target_runtime(cfg.target, cfg.device, cfg.dtype, resolve_taps(cfg), cfg.weights)
+        target = load_target_runtime(cfg.target, cfg.device, cfg.dtype, resolve_taps(cfg), cfg.weights,
+                                     cfg.kv_cache_bytes)
         if cfg.drafter_path and cfg.tap_layer_ids is None:
             from dspark_core.drafters.config import load_config
             from dspark_core.drafters.target_record import check_fingerprint

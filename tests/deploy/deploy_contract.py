@@ -31,7 +31,7 @@ SERVE: dict[str, ServeFlags] = {
     "verifier": ServeFlags(
         required=frozenset({"--port", "--metrics-port", "--redis-url", "--target"}),
         # --drafter-path: whose config.json names the layers to tap (the service has it; the brief does not list it)
-        optional=frozenset({"--device", "--dtype", "--weights", "--drafter-path", "--idle-ttl",
+        optional=frozenset({"--device", "--dtype", "--weights", "--kv-cache-gb", "--drafter-path", "--idle-ttl",
                             "--sps-profile-seconds", "--drafter-port", "--drafter-matmul-dtype"}),
     ),
     "drafter": ServeFlags(

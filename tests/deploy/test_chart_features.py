@@ -430,3 +430,14 @@ def test_verifier_weights_value_reaches_the_service_flag(chart):
     assert ver[ver.index("--weights") + 1] == "int8"
     assert "--weights" not in args({})
     assert "weights" in _render_error(chart, {"verifier": {"weights": "int3"}})
+
+
+def test_verifier_kv_cache_value_reaches_the_service_flag(chart):
+    """`verifier.kvCacheGb` renders as `--kv-cache-gb` (absent at 0: the service's default budget)."""
+    def args(values):
+        return main_container(deployment_of(manifests(render(chart, values)), "verifier"))["args"]
+
+    ver = args({"verifier": {"kvCacheGb": 12.5}})
+    assert ver[ver.index("--kv-cache-gb") + 1] == "12.5"
+    assert "--kv-cache-gb" not in args({})
+    assert "kvCacheGb" in _render_error(chart, {"verifier": {"kvCacheGb": -1}})
