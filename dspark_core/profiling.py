@@ -84,9 +84,13 @@ class VerifyStepBench:
         self.seqs = []
 
 
-def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float = 30.0, repeats: int = 3):
-    """A quick SPS(B) table (B = 1, 2, 4, ... max_tokens, `repeats` timed passes each), for a target that has
-    no profiled one: what a verifier measures at start-up so that a cost-table policy can run at all.
+def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float = 30.0, repeats: int = 5,
+                    block: int = 8):
+    """A quick SPS(B) table (B = 1, 2, 4, ... max_tokens, `repeats` timed sweeps each), for a target that has
+    no profiled one: what a verifier measures at start-up so that a cost-table policy can run at all. It also
+    measures the one-request row (one sequence verifying 1 .. `block` tokens: what a batch-1 step costs, which
+    B tokens spread over B sequences do not tell), after half a second of untimed passes (a cold first pass
+    measured SmolLM2's B = 1 at half its speed, and the monotone fit then flattened 1 .. 4 tokens to it).
 
     Bounded: once `budget_s` seconds are spent, the sizes measured so far make the table (at least B = 1;
     `SpsTable` extrapolates beyond its last point). Returns a monotone `SpsTable`; `dspark profile` measures
@@ -97,16 +101,22 @@ def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float
 
     if max_tokens < 1:
         raise InvalidArgument("max_tokens", max_tokens, "must be >= 1")
+    if block < 1:
+        raise InvalidArgument("block", block, "must be >= 1")
     sizes, b = [], 1
     while b < max_tokens:
         sizes.append(b)
         b *= 2
     sizes.append(max_tokens)
     t0 = time.perf_counter()
-    bench = VerifyStepBench(target, context_length=min(256, max(1, target.max_context // 4)), block=8,
+    bench = VerifyStepBench(target, context_length=min(256, max(1, target.max_context // 4)), block=block,
                             max_sequences=min(32, max_tokens))
-    measured, speeds = [], []
+    measured, speeds, row = [], [], None
     try:
+        while time.perf_counter() - t0 < min(0.5, budget_s / 10):
+            bench(1)  # warm-up: one-time costs (kernels, allocations, caches) out of the timed passes
+        one = list(range(1, min(block, max_tokens) + 1))
+        row = profile_sps(lambda n: bench(n, requests=1), one, repeats=repeats, warmup=1)
         for b in sizes:
             speeds.append(profile_sps(bench, [b], repeats=repeats, warmup=1).steps_per_second[0])
             measured.append(b)
@@ -114,6 +124,7 @@ def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float
                 break
     finally:
         bench.close()
-    return monotone(SpsTable(tuple(measured), tuple(speeds), device=str(target.device),
-                             dtype=str(target.dtype).replace("torch.", ""), context_length=bench.context_length,
-                             model=target.name, weights=getattr(target, "weights", None)))
+    meta = dict(device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
+                context_length=bench.context_length, model=target.name, weights=getattr(target, "weights", None))
+    rows = ((1, SpsTable(row.batch_sizes, row.steps_per_second, **meta)),) if row is not None else None
+    return monotone(SpsTable(tuple(measured), tuple(speeds), by_requests=rows, **meta))

@@ -53,3 +53,21 @@ def test_requests_rows_put_the_tokens_on_exactly_r_sequences(tiny_target_dir, mo
         bench(2, requests=3)
     bench.close()
     assert requests_grid([1, 4], block=8, points=5) == {1: [1, 3, 5, 7, 8], 4: [4, 11, 18, 25, 32]}
+
+
+def test_the_quick_table_has_the_one_request_row_and_warms_up_first(tiny_target_dir, monkeypatch):
+    from dspark_core.profiling import quick_sps_table
+
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32"))
+    calls = record_forward_calls(target, monkeypatch)
+    table = quick_sps_table(target, max_tokens=16, budget_s=30.0, repeats=2, block=4)
+    assert table.batch_sizes == (1, 2, 4, 8, 16)
+    row = table.for_requests(1)
+    assert row.batch_sizes == (1, 2, 3, 4) and row is not table
+    # monotone: a step never gets faster with more tokens
+    for t in (table, row):
+        assert all(a >= b for a, b in zip(t.steps_per_second, t.steps_per_second[1:]))
+    steps = [c for c in calls if c != [target.max_context // 4]]  # the contexts' prefills left out
+    assert steps[0] == [1] and steps.count([1]) >= 5  # untimed single-token passes before anything is timed
+    assert [3] in steps and [4] in steps  # the row: one sequence verifying 3 and 4 tokens
+    assert target.num_active == 0
