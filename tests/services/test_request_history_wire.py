@@ -32,14 +32,19 @@ def _remote(info) -> RemoteDrafter:
     return RemoteDrafter(None, SimpleNamespace(caller=None), info, hidden_size=64, vocab_size=512)
 
 
-def test_get_info_carries_the_history_the_engine_would_apply(aio, drafter_dir):
-    app = cluster.drafter(aio, drafter_dir)
+def _info(aio, path):
+    """GetInfo of a drafter service started on `path` (and stopped)."""
+    app = cluster.drafter(aio, path)
     stub, ch = cluster.drafter_stub(app)
     try:
-        info = stub.GetInfo(types_pb2.DrafterServiceGetInfoRequest())
+        return stub.GetInfo(types_pb2.DrafterServiceGetInfoRequest())
     finally:
         ch.close()
         cluster.stop(aio, app)
+
+
+def test_get_info_carries_the_history_the_engine_would_apply(aio, drafter_dir):
+    info = _info(aio, drafter_dir)
     assert info.HasField("request_history") and info.HasField("request_history_greedy")
     local = load_drafter(drafter_dir)
     remote = _remote(info)
@@ -50,13 +55,7 @@ def test_get_info_carries_the_history_the_engine_would_apply(aio, drafter_dir):
 
 
 def test_a_drafter_without_one_reports_none(aio, fixtures_dir):
-    app = cluster.drafter(aio, fixtures_dir / "dspark")
-    stub, ch = cluster.drafter_stub(app)
-    try:
-        info = stub.GetInfo(types_pb2.DrafterServiceGetInfoRequest())
-    finally:
-        ch.close()
-        cluster.stop(aio, app)
+    info = _info(aio, fixtures_dir / "dspark")
     assert not info.HasField("request_history")
     assert _remote(info).confidence_history(False) is None and _remote(info).confidence_history(True) is None
 
