@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,19 +257,23 @@ class RequestHistory:
 
     def offset(self, rounds: float, accepted: float, confidence_sum: float) -> float:
         """g of a request after `rounds` rounds that verified slot 1, `accepted` of them accepted, whose
-        calibrated c_1 summed to `confidence_sum`."""
-        s, m = self.strength, self.prior
+        calibrated c_1 summed to `confidence_sum` (values outside [0, rounds] clamped)."""
         n = max(float(rounds), 0.0)
-        r = (min(max(float(accepted), 0.0), n) + s * m) / (n + s)
-        q = (min(max(float(confidence_sum), 0.0), n) + s * m) / (n + s)
-        return math.log(r / (1.0 - r)) - math.log(q / (1.0 - q))
+        return float(self.offsets(n, min(max(float(accepted), 0.0), n), min(max(float(confidence_sum), 0.0), n)))
+
+    def offsets(self, rounds, accepted, confidence_sum):
+        """`offset` elementwise over arrays (counts already in [0, rounds])."""
+        s, m = self.strength, self.prior
+        r = (accepted + s * m) / (rounds + s)
+        q = (confidence_sum + s * m) / (rounds + s)
+        return np.log(r / (1 - r)) - np.log(q / (1 - q))
 
     def to_dict(self) -> dict:
         return {"weights": list(self.weights), "strength": self.strength, "prior": self.prior}
 
     @classmethod
     def from_dict(cls, d, name: str = "request_history") -> RequestHistory:
-        if not isinstance(d, dict):
+        if not isinstance(d, Mapping):
             raise InvalidArgument(name, d, 'must be an object {"weights": [...], "strength": s, "prior": m}')
         unknown = sorted(set(d) - {"weights", "strength", "prior"})
         if unknown:
@@ -353,11 +358,8 @@ def history_offsets(records: RolloutRecords, slot1_logits: np.ndarray, history: 
         return excl - excl[group_first]
 
     out = np.empty(n_rows)
-    s, m = history.strength, history.prior
     n = before(verified.astype(np.float64))
-    r = (before(hits) + s * m) / (n + s)
-    q = (np.minimum(before(conf), n) + s * m) / (n + s)
-    out[order] = np.log(r / (1 - r)) - np.log(q / (1 - q))
+    out[order] = history.offsets(n, before(hits), np.minimum(before(conf), n))
     return out
 
 
@@ -431,47 +433,57 @@ T_RANGE = (0.05, 20.0)  # as STS's grid
 B_RANGE = (-10.0, 10.0)
 
 
-def _fit_platt_position(z: np.ndarray, base: np.ndarray, y: np.ndarray, ridge: float = 1.0,
-                        iters: int = 100) -> tuple[float, float]:
-    """Maximum likelihood (t, b) of P(y = 1) = base * sigmoid(z / t + b), by Fisher scoring with a backtracking
-    line search in (s = log(1 / t), b). `ridge` is a Gaussian prior's weight pulling (s, b) to (0, 0), one
-    round's worth: it keeps a position whose labels are all 1 (or all 0) finite and changes nothing measurable
-    on hundreds of rounds."""
+def _fisher_fit(u_of, base: np.ndarray, y: np.ndarray, n_params: int, lo, hi, ridge: float = 1.0,
+                iters: int = 100) -> np.ndarray:
+    """Maximum likelihood theta of P(y = 1) = base * sigmoid(u(theta)), by Fisher scoring with a backtracking
+    line search inside the box [lo, hi]; `u_of(theta)` returns (u [N], du/dtheta [n_params, N]). `ridge` is a
+    Gaussian prior's weight pulling theta to 0, one round's worth: it keeps a position whose labels are all 1
+    (or all 0) finite and changes nothing measurable on hundreds of rounds."""
     base = np.clip(base, 1e-12, 1.0)
+    lo, hi = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
 
-    def loss(s, b):
-        p = np.clip(base * _sigmoid(z * math.exp(s) + b), 1e-12, 1 - 1e-12)
-        return float(-(y * np.log(p) + (1 - y) * np.log1p(-p)).sum() + 0.5 * ridge * (s * s + b * b))
+    def loss(theta):
+        p = np.clip(base * _sigmoid(u_of(theta)[0]), 1e-12, 1 - 1e-12)
+        return float(-(y * np.log(p) + (1 - y) * np.log1p(-p)).sum() + 0.5 * ridge * float(theta @ theta))
 
-    s, b = 0.0, 0.0
-    cur = loss(s, b)
-    lo_s, hi_s = -math.log(T_RANGE[1]), -math.log(T_RANGE[0])
+    theta = np.zeros(n_params)
+    cur = loss(theta)
     for _ in range(iters):
-        w = math.exp(s)
-        sig = _sigmoid(z * w + b)
+        u, du = u_of(theta)
+        sig = _sigmoid(u)
         p = np.clip(base * sig, 1e-12, 1 - 1e-12)
-        dp_du = p * (1.0 - sig)                      # d p / d u, u = z w + b
+        dp_du = p * (1.0 - sig)                      # d p / d u
         g_u = (p - y) / (p * (1.0 - p)) * dp_du      # d loss / d u per round
         fisher_u = dp_du * dp_du / (p * (1.0 - p))
-        du = np.stack((z * w, np.ones_like(z)))      # d u / d (s, b)
-        grad = du @ g_u + ridge * np.array([s, b])
-        hess = (du * fisher_u) @ du.T + ridge * np.eye(2)
+        grad = du @ g_u + ridge * theta
+        hess = (du * fisher_u) @ du.T + ridge * np.eye(n_params)
         step = np.linalg.solve(hess, grad)
         scale = 1.0
         while scale > 1e-6:
-            ns = min(max(s - scale * step[0], lo_s), hi_s)
-            nb = min(max(b - scale * step[1], B_RANGE[0]), B_RANGE[1])
-            new = loss(ns, nb)
+            new_theta = np.clip(theta - scale * step, lo, hi)
+            new = loss(new_theta)
             if new <= cur + 1e-12:
                 break
             scale *= 0.5
         else:
             break
-        done = abs(ns - s) < 1e-9 and abs(nb - b) < 1e-9
-        s, b, cur = ns, nb, new
-        if done or float(np.abs(grad).max()) < 1e-8 * max(len(z), 1):
+        done = bool(np.all(np.abs(new_theta - theta) < 1e-9))
+        theta, cur = new_theta, new
+        if done or float(np.abs(grad).max()) < 1e-8 * max(len(y), 1):
             break
-    return math.exp(-s), b
+    return theta
+
+
+def _fit_platt_position(z: np.ndarray, base: np.ndarray, y: np.ndarray, ridge: float = 1.0,
+                        iters: int = 100) -> tuple[float, float]:
+    """Maximum likelihood (t, b) of P(y = 1) = base * sigmoid(z / t + b), fitted in (s = log(1 / t), b)."""
+    def u_of(theta):
+        w = math.exp(theta[0])
+        return z * w + theta[1], np.stack((z * w, np.ones_like(z)))
+
+    s, b = _fisher_fit(u_of, base, y, 2, (-math.log(T_RANGE[1]), B_RANGE[0]), (-math.log(T_RANGE[0]), B_RANGE[1]),
+                       ridge, iters)
+    return math.exp(-s), float(b)
 
 
 def fit_platt(records: RolloutRecords, min_rounds: int = 1, ridge: float = 1.0) -> Calibration:
@@ -498,35 +510,8 @@ def fit_platt(records: RolloutRecords, min_rounds: int = 1, ridge: float = 1.0) 
 
 def _fit_offset_weight(u: np.ndarray, x: np.ndarray, base: np.ndarray, y: np.ndarray, ridge: float = 1.0,
                        iters: int = 50) -> float:
-    """Maximum likelihood w of P(y = 1) = base * sigmoid(u + w x), Newton (Fisher scoring) with backtracking;
-    `ridge` as in `_fit_platt_position`."""
-    base = np.clip(base, 1e-12, 1.0)
-
-    def loss(w):
-        p = np.clip(base * _sigmoid(u + w * x), 1e-12, 1 - 1e-12)
-        return float(-(y * np.log(p) + (1 - y) * np.log1p(-p)).sum() + 0.5 * ridge * w * w)
-
-    w, cur = 0.0, loss(0.0)
-    for _ in range(iters):
-        sig = _sigmoid(u + w * x)
-        p = np.clip(base * sig, 1e-12, 1 - 1e-12)
-        dp = p * (1.0 - sig)
-        grad = float(((p - y) / (p * (1.0 - p)) * dp * x).sum()) + ridge * w
-        hess = float((dp * dp / (p * (1.0 - p)) * x * x).sum()) + ridge
-        step, scale = grad / hess, 1.0
-        while scale > 1e-6:
-            nw = min(max(w - scale * step, -10.0), 10.0)
-            new = loss(nw)
-            if new <= cur + 1e-12:
-                break
-            scale *= 0.5
-        else:
-            break
-        done = abs(nw - w) < 1e-9
-        w, cur = nw, new
-        if done:
-            break
-    return w
+    """Maximum likelihood w of P(y = 1) = base * sigmoid(u + w x) (`_fisher_fit`)."""
+    return float(_fisher_fit(lambda th: (u + th[0] * x, x[None, :]), base, y, 1, (-10.0,), (10.0,), ridge, iters)[0])
 
 
 HISTORY_STRENGTH = 4.0

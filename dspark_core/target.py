@@ -264,6 +264,17 @@ class KVCacheFull(ResourceExhausted):
         self.fits_alone = fits_alone
 
 
+def gib_to_bytes(value, field: str) -> int:
+    """A positive number of GiB (a flag's or an environment variable's text too) in bytes, checked."""
+    try:
+        gb = float(value)
+    except (TypeError, ValueError):
+        gb = math.nan
+    if not (math.isfinite(gb) and 0 < gb < 2**30):
+        raise InvalidArgument(field, value, "must be a positive number of GiB")
+    return max(1, int(gb * 2**30))
+
+
 def _kv_budget(configured: int | None, device: torch.device) -> int:
     """The KV store's budget in bytes: as configured, else DSPARK_KV_CACHE_GB, else half the memory available
     now (host memory; free device memory on CUDA)."""
@@ -273,13 +284,7 @@ def _kv_budget(configured: int | None, device: torch.device) -> int:
         return int(configured)
     env = os.environ.get("DSPARK_KV_CACHE_GB")
     if env:
-        try:
-            gb = float(env)
-        except ValueError:
-            gb = -1.0
-        if not (math.isfinite(gb) and gb > 0):
-            raise InvalidArgument("DSPARK_KV_CACHE_GB", env, "must be a positive number of GiB")
-        return int(gb * 2**30)
+        return gib_to_bytes(env, "DSPARK_KV_CACHE_GB")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free // 2)
@@ -472,37 +477,38 @@ class TargetRuntime:
         block past them, at most the context window."""
         return min(self.max_context, int(prompt_tokens) + max(int(max_new_tokens), 0) + VERIFY_BLOCK_MARGIN)
 
-    def check_kv_room(self, reservations: list[int]) -> None:
-        """Raise KVCacheFull unless new sequences reserving `reservations` positions fit beside the active ones:
-        the store is one rectangle, active sequences x the longest reservation (at least its current shape)."""
-        if self.kv_budget_bytes is None or not reservations:
-            return
-        if not self._sequences and self.cache.nbytes(max(self.cache.slot_capacity, len(reservations)),
-                                                     max(self.cache.length_capacity, *reservations)) > self.kv_budget_bytes:
-            self.cache.clear()  # an idle store's past shape does not count
-        slots = max(self.cache.slot_capacity, len(self._sequences) + len(reservations))
-        length = max([self.cache.length_capacity, *reservations, *(s.reserved for s in self._sequences)])
+    def _kv_store_after(self, new_sequences: int, lengths) -> tuple[int, int]:
+        """(slots, positions) of the store once `new_sequences` more sequences hold it and some reach `lengths`:
+        one rectangle, every sequence x the longest reservation, never smaller than its current shape."""
+        slots = max(self.cache.slot_capacity, len(self._sequences) + new_sequences)
+        return slots, max([self.cache.length_capacity, *lengths, *(s.reserved for s in self._sequences)])
+
+    def _check_kv_budget(self, new_sequences: int, lengths, what: str, fits_alone: bool) -> None:
+        slots, length = self._kv_store_after(new_sequences, lengths)
         need = self.cache.nbytes(slots, length)
         if need > self.kv_budget_bytes:
-            alone = max(reservations) * self.kv_bytes_per_token
-            raise KVCacheFull(
-                f"KV cache budget exceeded: {len(self._sequences)} active + {len(reservations)} new sequences x "
-                f"{length} positions x {self.kv_bytes_per_token} bytes = {need / 2**30:.2f} GiB > "
-                f"{self.kv_budget_bytes / 2**30:.2f} GiB (kv_cache_bytes / --kv-cache-gb)",
-                fits_alone=alone <= self.kv_budget_bytes)
+            raise KVCacheFull(f"KV cache budget exceeded: {what} needs {slots} sequences x {length} positions x "
+                              f"{self.kv_bytes_per_token} bytes = {need / 2**30:.2f} GiB > "
+                              f"{self.kv_budget_bytes / 2**30:.2f} GiB (kv_cache_bytes / --kv-cache-gb)",
+                              fits_alone=fits_alone)
+
+    def check_kv_room(self, reservations: list[int]) -> None:
+        """Raise KVCacheFull unless new sequences reserving `reservations` positions fit beside the active ones."""
+        if not reservations:
+            return
+        if not self._sequences and self.cache.nbytes(*self._kv_store_after(len(reservations), reservations)) \
+                > self.kv_budget_bytes:
+            self.cache.clear()  # an idle store's past shape does not count
+        self._check_kv_budget(len(reservations), reservations,
+                              f"{len(reservations)} new beside {len(self._sequences)} active sequences",
+                              fits_alone=max(reservations) * self.kv_bytes_per_token <= self.kv_budget_bytes)
 
     def extend_reservation(self, seq: Sequence, length: int) -> None:
         """Let `seq` reach `length` positions: KVCacheFull when that takes the store past the budget."""
         if length <= seq.reserved:
             return
-        if self.kv_budget_bytes is not None:
-            slots = max(self.cache.slot_capacity, len(self._sequences))
-            longest = max([self.cache.length_capacity, length, *(s.reserved for s in self._sequences)])
-            if self.cache.nbytes(slots, longest) > self.kv_budget_bytes:
-                raise KVCacheFull(f"KV cache budget exceeded: a sequence reserved {seq.reserved} positions needs "
-                                  f"{length}, and {slots} x {longest} positions do not fit in "
-                                  f"{self.kv_budget_bytes / 2**30:.2f} GiB (kv_cache_bytes / --kv-cache-gb)",
-                                  fits_alone=False)
+        self._check_kv_budget(0, [length], f"a sequence reserved {seq.reserved} positions reaching {length}",
+                              fits_alone=False)
         seq.reserved = length
 
     # -- sequence lifecycle
@@ -521,8 +527,6 @@ class TargetRuntime:
             last.slot = seq.slot
             self._sequences[seq.slot] = last
         seq.released = True
-        if not self._sequences and self.kv_budget_bytes is not None and self.cache.nbytes() > self.kv_budget_bytes // 2:
-            self.cache.clear()  # an idle store gives a past peak back, so that it does not count against the next
 
     def fork(self, seq: Sequence) -> Sequence:
         """A new sequence whose KV cache is a copy of `seq`'s: requests with the same prompt (the n

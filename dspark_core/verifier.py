@@ -140,8 +140,6 @@ class Verifier:
         reserved = [self.target.kv_reservation(len(it.prompt_ids), it.params.max_new_tokens) for it in items]
         self.target.check_kv_room(reserved)
         seqs = {i: self.target.new_sequence() for i in owners}
-        for i in owners:
-            seqs[i].reserved = reserved[i]
         try:
             out = self._forward([(seqs[i], list(items[i].prompt_ids)) for i in owners],
                                 [items[i].params for i in owners], last_logits_only=True)
@@ -152,6 +150,8 @@ class Verifier:
             for seq in seqs.values():
                 self.target.release(seq)
             raise
+        for i, seq in seqs.items():
+            seq.reserved = reserved[i]  # a copy of a shared prompt reserves what its own request may generate
         row = {i: r for r, i in enumerate(owners)}
         results = []
         for i, it in enumerate(items):

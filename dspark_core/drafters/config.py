@@ -452,8 +452,7 @@ def parse_calibration_history(block: Mapping, greedy: bool = False) -> RequestHi
     section = block.get("greedy") if greedy else block
     if not isinstance(section, Mapping) or section.get("request_history") is None:
         return None
-    hist = RequestHistory.from_dict(dict(section["request_history"]) if isinstance(section["request_history"], Mapping)
-                                    else section["request_history"], f"{name}.request_history")
+    hist = RequestHistory.from_dict(section["request_history"], f"{name}.request_history")
     temps = section.get("temperatures")
     if isinstance(temps, list) and len(temps) != len(hist.weights):
         raise InvalidArgument(f"{name}.request_history.weights", len(hist.weights),

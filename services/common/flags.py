@@ -134,14 +134,10 @@ def add_kv_cache_arg(p) -> None:
 
 def kv_cache_bytes(args) -> int | None:
     """`--kv-cache-gb` in bytes (None: the target's default), checked."""
-    from dspark_core.errors import InvalidArgument
+    from dspark_core.target import gib_to_bytes
 
     gb = getattr(args, "kv_cache_gb", None)
-    if gb is None:
-        return None
-    if not (gb == gb and 0 < gb < 2**30):
-        raise InvalidArgument("--kv-cache-gb", gb, "must be a positive number of GiB")
-    return max(1, int(gb * 2**30))
+    return None if gb is None else gib_to_bytes(gb, "--kv-cache-gb")
 
 
 def install_dir() -> str:
