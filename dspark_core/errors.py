@@ -28,5 +28,13 @@ class ResourceExhausted(DSparkError):
     """Capacity is full (context window, queue, KV budget); the request may succeed later or smaller."""
 
 
+class KVCacheFull(ResourceExhausted):
+    """The KV store has no room for a request now; `fits_alone`: it would fit once the others are done."""
+
+    def __init__(self, message: str, fits_alone: bool):
+        super().__init__(message)
+        self.fits_alone = fits_alone
+
+
 class NotFound(DSparkError):
     """A named thing (request id, model name, replica) does not exist."""

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache
 
-from .errors import InvalidArgument, ModelLoadError, ResourceExhausted
+from .errors import InvalidArgument, KVCacheFull, ModelLoadError, ResourceExhausted  # noqa: F401 - KVCacheFull re-exported
 from .fast_decoder import LeanDecoder
 from .packed_weights import WEIGHT_FORMATS, DenseLinear, PackedLinear
 
@@ -254,14 +254,6 @@ class SlotKVCache(Cache):
 
 # positions past a request's last token that a verify pass may write (the anchor and up to 32 drafts)
 VERIFY_BLOCK_MARGIN = 33
-
-
-class KVCacheFull(ResourceExhausted):
-    """The KV store has no room for a request now; `fits_alone`: it would fit once the others are done."""
-
-    def __init__(self, message: str, fits_alone: bool):
-        super().__init__(message)
-        self.fits_alone = fits_alone
 
 
 def gib_to_bytes(value, field: str) -> int:

@@ -42,13 +42,32 @@ def _is_passthrough(exc: BaseException) -> bool:
     return isinstance(exc, (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit))
 
 
+# A refusal for KV room says whether the request would fit once the server's other requests are done
+# (dspark_core.target.KVCacheFull.fits_alone): the caller may then queue it rather than fail it.
+KV_FITS_ALONE = "dspark-kv-fits-alone"
+
+
+def fits_alone_of(exc: grpc.RpcError) -> bool | None:
+    """The KV_FITS_ALONE trailer of a RESOURCE_EXHAUSTED reply: True / False, None where it has none."""
+    try:
+        trailers = exc.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - a locally raised RpcError has no call behind it
+        return None
+    for k, v in trailers:
+        if k == KV_FITS_ALONE:
+            return v == "1"
+    return None
+
+
 async def _abort(context, method: str, exc: Exception):
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("unhandled error in %s", method, extra={"method": method})
     else:
         log.info("%s -> %s: %s", method, code.name, message, extra={"method": method, "code": code.name})
-    await context.abort(code, message)
+    fits = getattr(exc, "fits_alone", None)
+    trailers = ((KV_FITS_ALONE, "1" if fits else "0"),) if isinstance(fits, bool) else ()
+    await context.abort(code, message, trailing_metadata=trailers)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from dspark_core.drafters.base import Proposal
-from dspark_core.errors import InvalidArgument, NotFound, ResourceExhausted
+from dspark_core.errors import InvalidArgument, KVCacheFull, NotFound, ResourceExhausted
 from dspark_core.sampling import SamplingParams
 from dspark_core.verifier import PrefillItem, StepResult, VerifyItem, validate_prompt_ids
 from dspark_protos.dspark.v1 import types_pb2
@@ -33,7 +33,7 @@ from ..common.convert import (TargetInfo, features_from_proto, kind_from_proto, 
                               prefill_item_to_proto, prefill_result_from_proto, propose_item_to_proto,
                               proposal_from_proto, target_info_from_proto, verify_item_to_proto,
                               verify_result_from_proto)
-from ..common.errors import Unavailable
+from ..common.errors import Unavailable, fits_alone_of
 from ..common.identity import CALLER_METADATA
 from ..common.registry import Registry
 from ..common.tracing import outgoing_metadata, tracer
@@ -56,9 +56,15 @@ def _fire(callable_, msg, timeout: float, metadata=None) -> None:
     fut.add_done_callback(_in_flight.discard)
 
 
-def _raise_status(exc: grpc.RpcError, where: str):
+def _raise_status(exc: grpc.RpcError, where: str, fits_alone: bool | None = None):
+    """The dspark_core error for a failed call. A verifier's refusal for KV room becomes KVCacheFull, so the engine
+    queues a request that fits once others finish (`fits_alone`: what the refusing verifiers said; default: the
+    reply's own trailer) instead of failing it."""
     code, msg = exc.code(), exc.details()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        fits = fits_alone_of(exc) if fits_alone is None else fits_alone
+        if fits is not None:
+            raise KVCacheFull(f"{where}: {msg}", fits_alone=fits) from None
         raise ResourceExhausted(f"{where}: {msg}") from None
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         raise InvalidArgument(where, msg, "was refused by the verifier") from None
@@ -189,6 +195,7 @@ class RemoteVerifier:
     def _finish_prefill(self, calls, md) -> list[StepResult]:
         out = []
         for it, req, (pod, fut, tried) in calls:
+            fits = None  # whether some verifier that refused it for KV room could hold it alone
             while True:
                 try:
                     resp = fut.result()
@@ -197,6 +204,9 @@ class RemoteVerifier:
                     if is_pod_failure(exc) or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         if is_pod_failure(exc):
                             self.pool.mark_dead(pod, exc)
+                        else:
+                            said = fits_alone_of(exc)
+                            fits = fits if said is None else bool(fits) or said
                         tried.add(pod.address)
                         try:
                             if len(tried) >= MAX_ATTEMPTS:
@@ -204,7 +214,7 @@ class RemoteVerifier:
                             pod, fut, tried = self._start_prefill(it, req, md, tried)
                         except Unavailable:  # no other verifier: report what the last one said
                             self.release(it.request_id)
-                            _raise_status(exc, "prefill")
+                            _raise_status(exc, "prefill", fits)
                         continue
                     self.release(it.request_id)
                     _raise_status(exc, "prefill")

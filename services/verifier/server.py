@@ -145,7 +145,8 @@ class VerifierApp(PodLifecycle):
             check_fingerprint(load_config(Path(cfg.drafter_path)), cfg.drafter_path, target, cfg.target)
         verifier = Verifier(target)
         # warm-up: one real prefill + release before reporting SERVING
-        verifier.prefill([PrefillItem("__warmup__", (0, 1, 2), SamplingParams(temperature=0))])
+        # (one new token: a verifier with a small --kv-cache-gb must not refuse its own warm-up)
+        verifier.prefill([PrefillItem("__warmup__", (0, 1, 2), SamplingParams(temperature=0, max_new_tokens=1))])
         verifier.release("__warmup__")
         return target, verifier, startup_sps(target, cfg.target, cfg.profile_budget_s, cfg.sps_file)
 

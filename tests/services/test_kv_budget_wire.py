@@ -51,3 +51,53 @@ def test_requests_beyond_the_budget_are_refused_alone_and_the_rest_are_served(se
         outs = list(pool.map(one, range(8)))
     for i, out in enumerate(outs):
         assert out == (grpc.StatusCode.RESOURCE_EXHAUSTED if i % 2 else want[i % 4]), (i, out)
+
+
+@pytest.fixture(scope="module")
+def distributed(aio, tiny_target_dir):
+    """A verifier pod with room for one request of 16 new tokens at a time, and a scheduler that reaches it over a
+    socket (no drafter: the refusals are the verifier's)."""
+    per = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32")).kv_bytes_per_token
+    v = cluster.verifier(aio, tiny_target_dir, kv_cache_bytes=100 * per)
+    s = cluster.scheduler(aio, verifier_addresses=(f"127.0.0.1:{v.port}",), use_drafter=False)
+    stub, ch = cluster.scheduler_stub(s)
+    yield stub, v
+    ch.close()
+    cluster.stop(aio, s, v)
+
+
+def test_a_remote_verifiers_kv_refusal_says_whether_the_request_fits_alone(distributed, tiny_target_dir):
+    from dspark_protos.dspark.v1 import types_pb2
+
+    from services.common.errors import KV_FITS_ALONE
+
+    _, v = distributed
+    stub, ch = cluster.verifier_stub(v)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prefill(types_pb2.PrefillRequest(request_id="huge", prompt_token_ids=PROMPTS[0],
+                                                  sampling=types_pb2.SamplingParams(max_new_tokens=5000)), timeout=60)
+    finally:
+        ch.close()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV cache budget" in e.value.details()
+    assert (KV_FITS_ALONE, "0") in tuple(e.value.trailing_metadata())
+
+
+def test_requests_that_fit_one_at_a_time_wait_for_kv_room_on_a_remote_verifier(distributed, tiny_target_dir):
+    """Embedded, a request that fits alone waits at the head of the queue; through a remote verifier too (before,
+    the scheduler failed it with RESOURCE_EXHAUSTED). One that can never fit is still refused, alone."""
+    stub, _ = distributed
+    ar = Engine(TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32")), None,
+                EngineConfig(policy="ar"))
+    want = [ar.generate(p, SamplingParams(temperature=0, max_new_tokens=16)).output_ids for p in PROMPTS]
+
+    def one(i):
+        try:
+            return list(stub.GenerateUnary(ids_request(PROMPTS[i % 4], 5000 if i == 5 else 16), timeout=120).token_ids)
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(one, range(6)))
+    for i, out in enumerate(outs):
+        assert out == (grpc.StatusCode.RESOURCE_EXHAUSTED if i == 5 else want[i % 4]), (i, out)
