@@ -63,8 +63,8 @@ def add_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="draft tokens per round (default: the drafter's; larger ones are extrapolated and flagged)")
     p.add_argument("--support-size", default=None, metavar="K|vocab",
-                   help="top-k support of draft sampling (default: the drafter's, min(4096, vocabulary)); "
-                        "'vocab' = full vocabulary")
+                   help="top-k support of draft sampling (default: the drafter's, i.e. its config's draft_support_size, "
+                        "else 4096; at most the vocabulary); 'vocab' = full vocabulary")
     p.add_argument("--truncation-cost", action="store_true",
                    help="also run with full-vocabulary draft sampling and report the tau lost to truncation")
     p.add_argument("--no-rollouts", action="store_true", help="leave the per-round records out of the JSON")

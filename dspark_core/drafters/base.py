@@ -30,7 +30,9 @@ from dspark_core.errors import InvalidArgument
 # Truncation is lossless but lowers acceptance by the draft mass it cuts: on the bundled 4,096-token
 # drafters at T = 1, top-32 cost 19-24% of tau (1.74 vs 2.28 on math500, 1.86 vs 2.30 on mbpp) and
 # top-1024 cost 5-6%. 4,096 is the whole vocabulary of small models and a bounded message (7 slots x
-# 4,096 x 8 bytes) for large ones, whose tails past the top few thousand are negligible.
+# 4,096 x 8 bytes) for large ones, whose tails past the top few thousand are negligible. A drafter whose own
+# measurement says less costs nothing sets `draft_support_size` in its config.json (SmolLM2's DSpark: 256, tau
+# unchanged at T = 1, its sampled heads 1.16 -> 0.76 ms a round).
 DEFAULT_SUPPORT_SIZE = 4096
 
 

@@ -127,10 +127,12 @@ def _target_tensors(target) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 support_size: int = DEFAULT_SUPPORT_SIZE, matmul_dtype: str = "auto",
+                 support_size: int | None = None, matmul_dtype: str = "auto",
                  calibration_file: str | Path | None = None, target=None):
     """Load a DeepSpec-format drafter folder (frozen, eval mode); raises ModelLoadError naming the path and the problem.
 
+    `support_size`: the top-k support of sampled drafts; None = the config's `draft_support_size`, else
+    DEFAULT_SUPPORT_SIZE.
     `matmul_dtype` (one of MATMUL_DTYPES): see `resolve_matmul_dtype`; the weights themselves stay in `dtype`.
     `calibration_file`: STS temperatures from there instead of `<path>/calibration.json` (see `load_config`).
     `target`: the target's directory, or its (input, output) embedding tensors: needed by a checkpoint that
@@ -169,7 +171,8 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
 
     with torch.device("meta"):
-        model = build_drafter(config, support_size=support_size, name=path.name)
+        model = build_drafter(config, name=path.name, support_size=support_size if support_size is not None else
+                              config.draft_support_size or DEFAULT_SUPPORT_SIZE)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     if missing:

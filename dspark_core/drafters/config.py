@@ -51,7 +51,7 @@ _OWNED_KEYS = frozenset({
     "rms_norm_eps", "max_position_embeddings", "attention_bias", "hidden_act", "tie_word_embeddings",
     "block_size", "mask_token_id", "num_anchors", "markov_rank", "markov_head_type",
     "enable_confidence_head", "confidence_head_with_markov", "greedy_confidence_head", "ttt_length", "step_loss_decay",
-    "draft_num_hidden_layers", "calibration", "draft_vocab_size", "target_tensors",
+    "draft_num_hidden_layers", "calibration", "draft_vocab_size", "target_tensors", "draft_support_size",
 })
 # `target_tensors` value of a checkpoint that stores only its own tensors and takes `embed_tokens.weight` and
 # `lm_head.weight` (its rows `draft_vocab_ids` with a draft vocabulary) from the target it runs beside
@@ -113,6 +113,10 @@ class DrafterConfig:
     # our extension: the drafter predicts only these many target ids (`draft_vocab_ids`, a sorted int64
     # buffer in the weights): its LM head / Markov output rows are the target's rows of those ids; 0 = all
     draft_vocab_size: int = 0
+    # our extension: the top-k support sampled drafts are drawn from when serving this drafter (measured per drafter:
+    # `dspark eval --support-size K`); 0 = drafters.base.DEFAULT_SUPPORT_SIZE. Any k is lossless (the verifier reads q
+    # on the support); a smaller one is cheaper to draw, to send and to check, and costs the draft mass it cuts
+    draft_support_size: int = 0
     # our extension: TARGET_TENSORS_REFERENCED = embedding and LM head are not in the file but the target's
     target_tensors: str | None = None
     # Eagle3
@@ -176,6 +180,7 @@ class DrafterConfig:
                 raise InvalidArgument(f"{name}.weights", getattr(hist, "weights", hist),
                                       f"must be {self.gamma} weights (one per draft slot)")
         _require_int("draft_vocab_size", self.draft_vocab_size, low=0, high=self.vocab_size)
+        _require_int("draft_support_size", self.draft_support_size, low=0, high=self.vocab_size)
         if self.target_tensors not in (None, TARGET_TENSORS_REFERENCED):
             raise InvalidArgument("target_tensors", self.target_tensors,
                                   f"must be {TARGET_TENSORS_REFERENCED!r} or absent (the file holds them)")
@@ -352,6 +357,7 @@ class DrafterConfig:
             step_loss_decay=d.get("step_loss_decay"),
             draft_num_hidden_layers=d.get("draft_num_hidden_layers"),
             draft_vocab_size=d.get("draft_vocab_size", 0),
+            draft_support_size=d.get("draft_support_size", 0),
             target_tensors=d.get("target_tensors"),
             calibration_temperatures=None if calib is None else parse_calibration(calib),
             calibration_temperatures_greedy=None if calib is None else parse_greedy_calibration(calib),
@@ -398,6 +404,8 @@ class DrafterConfig:
                             draft_num_hidden_layers=self.draft_num_hidden_layers)
         if self.draft_vocab_size:
             optional["draft_vocab_size"] = self.draft_vocab_size
+        if self.draft_support_size:
+            optional["draft_support_size"] = self.draft_support_size
         if self.target_tensors:
             optional["target_tensors"] = self.target_tensors
         if self.calibration_temperatures is not None:

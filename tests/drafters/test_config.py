@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dspark_core.drafters import DrafterConfig, ProposeItem, load_config, load_drafter
+from dspark_core.drafters.base import DEFAULT_SUPPORT_SIZE
 from dspark_core.errors import InvalidArgument, ModelLoadError
 
 
@@ -175,3 +176,24 @@ def test_greedy_confidence_head_needs_a_confidence_head(fixtures_dir):
     cfg = load_config(fixtures_dir / "dflash")
     with pytest.raises(InvalidArgument, match="greedy_confidence_head"):
         dataclasses.replace(cfg, greedy_confidence_head=True)
+
+
+def test_a_drafters_config_sets_its_sampled_support_and_a_caller_may_override_it(fixtures_dir, reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(fixtures_dir / "dspark" / "model.safetensors", ckpt)
+    raw = json.loads((fixtures_dir / "dspark" / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**raw, "draft_support_size": 16}))
+    assert load_config(ckpt).to_dict()["draft_support_size"] == 16  # round-trips
+    ref = reference("dspark")
+    for d, k in ((load_drafter(ckpt), 16), (load_drafter(ckpt, support_size=40), 40),
+                 (load_drafter(fixtures_dir / "dspark"), DEFAULT_SUPPORT_SIZE)):
+        assert d.support_size == min(k, d.vocab_size)
+        (p,) = d.propose([dataclasses.replace(_item(d, ref), temperature=1.0, generator=torch.Generator().manual_seed(3))])
+        assert tuple(p.support_ids.shape) == (len(p.tokens), min(k, d.vocab_size))
+        for tok, ids, probs in zip(p.tokens, p.support_ids, p.support_probs):
+            assert tok in ids.tolist() and abs(float(probs.sum()) - 1.0) < 1e-4
+    cfg = load_config(fixtures_dir / "dspark")
+    for bad in (-1, cfg.vocab_size + 1, 2.5):
+        with pytest.raises(InvalidArgument, match="draft_support_size"):
+            dataclasses.replace(cfg, draft_support_size=bad)
