@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache
 
-from .errors import InvalidArgument, KVCacheFull, ModelLoadError, ResourceExhausted  # noqa: F401 - KVCacheFull re-exported
+from .errors import InvalidArgument, KVCacheFull, ModelLoadError, ResourceExhausted
 from .fast_decoder import LeanDecoder
 from .packed_weights import WEIGHT_FORMATS, DenseLinear, PackedLinear
 

@@ -77,9 +77,13 @@ def resolve_matmul_dtype(name: str, device: torch.device, dtype: torch.dtype) ->
     return None if want == dtype else want
 
 
-def build_drafter(config: DrafterConfig, support_size: int = DEFAULT_SUPPORT_SIZE, name: str | None = None):
-    """A freshly initialised drafter of the config's kind (DSparkDrafter, DFlashDrafter or Eagle3Drafter)."""
+def build_drafter(config: DrafterConfig, support_size: int | None = None, name: str | None = None):
+    """A freshly initialised drafter of the config's kind (DSparkDrafter, DFlashDrafter or Eagle3Drafter).
+    `support_size`: the top-k support of sampled drafts; None = the config's `draft_support_size`, else
+    DEFAULT_SUPPORT_SIZE."""
     cls = {"dspark": DSparkDrafter, "dflash": DFlashDrafter, "eagle3": Eagle3Drafter}[config.kind]
+    if support_size is None:
+        support_size = config.draft_support_size or DEFAULT_SUPPORT_SIZE
     return cls(config, support_size=support_size, name=name)
 
 
@@ -131,8 +135,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
                  calibration_file: str | Path | None = None, target=None):
     """Load a DeepSpec-format drafter folder (frozen, eval mode); raises ModelLoadError naming the path and the problem.
 
-    `support_size`: the top-k support of sampled drafts; None = the config's `draft_support_size`, else
-    DEFAULT_SUPPORT_SIZE.
+    `support_size`: see `build_drafter`.
     `matmul_dtype` (one of MATMUL_DTYPES): see `resolve_matmul_dtype`; the weights themselves stay in `dtype`.
     `calibration_file`: STS temperatures from there instead of `<path>/calibration.json` (see `load_config`).
     `target`: the target's directory, or its (input, output) embedding tensors: needed by a checkpoint that
@@ -171,8 +174,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
 
     with torch.device("meta"):
-        model = build_drafter(config, name=path.name, support_size=support_size if support_size is not None else
-                              config.draft_support_size or DEFAULT_SUPPORT_SIZE)
+        model = build_drafter(config, support_size=support_size, name=path.name)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     if missing:

@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from dspark_core.errors import InvalidArgument, ModelLoadError, NotFound, ResourceExhausted
+from dspark_core.errors import InvalidArgument, KVCacheFull, ModelLoadError, NotFound, ResourceExhausted
 
 log = logging.getLogger("dspark.errors")
 
@@ -43,7 +43,7 @@ def _is_passthrough(exc: BaseException) -> bool:
 
 
 # A refusal for KV room says whether the request would fit once the server's other requests are done
-# (dspark_core.target.KVCacheFull.fits_alone): the caller may then queue it rather than fail it.
+# (dspark_core.errors.KVCacheFull.fits_alone): the caller may then queue it rather than fail it.
 KV_FITS_ALONE = "dspark-kv-fits-alone"
 
 
@@ -65,8 +65,7 @@ async def _abort(context, method: str, exc: Exception):
         log.exception("unhandled error in %s", method, extra={"method": method})
     else:
         log.info("%s -> %s: %s", method, code.name, message, extra={"method": method, "code": code.name})
-    fits = getattr(exc, "fits_alone", None)
-    trailers = ((KV_FITS_ALONE, "1" if fits else "0"),) if isinstance(fits, bool) else ()
+    trailers = ((KV_FITS_ALONE, "1" if exc.fits_alone else "0"),) if isinstance(exc, KVCacheFull) else ()
     await context.abort(code, message, trailing_metadata=trailers)
 
 

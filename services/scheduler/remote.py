@@ -204,9 +204,8 @@ class RemoteVerifier:
                     if is_pod_failure(exc) or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         if is_pod_failure(exc):
                             self.pool.mark_dead(pod, exc)
-                        else:
-                            said = fits_alone_of(exc)
-                            fits = fits if said is None else bool(fits) or said
+                        elif (said := fits_alone_of(exc)) is not None:
+                            fits = bool(fits) or said
                         tried.add(pod.address)
                         try:
                             if len(tried) >= MAX_ATTEMPTS:
