@@ -1,15 +1,20 @@
-// Attention of each query row over exactly the keys it sees, one (row, head) at a time, for the lean decoder's
-// batch-invariant path (dspark_core/fast_decoder.py): out[r, h, i] = softmax(scale q k^T over the first
+// Attention of each query row over exactly the keys it sees, each (row, head) computed as if alone, for the lean
+// decoder's batch-invariant path (dspark_core/fast_decoder.py): out[r, h, i] = softmax(scale q k^T over the first
 // lengths[r, i] keys) v. Every (row, head) runs the same sequence of operations whatever else is in the call
 // (other rows, other sequences, padding, thread count), so a row of a verify pass or a prefill equals the
 // one-row decode step at its position bit for bit. One call per layer replaces one SDPA call per row.
 //
 // q [n, h, Q, d], k / v [n, kvh, KV, d] (any strides, the last dimension contiguous), lengths int64 [n, Q]
 // (0: a padded row, output zeros); d % 16 == 0; grouped-query heads (h % kvh == 0).
+//
+// The rows of a verify pass or a prefill see (nearly) the same keys: a task takes a block of up to 8 rows of one
+// sequence and the query heads of one key head, and loads each block of keys / values once for all of them
+// (from L1) instead of once per (row, head). On a 2-core AVX2 EPYC that cut the 8-row verify's attention by
+// ~14% at contexts 256 and 768 and a 300-row prefill's by ~13% (docs/results/weights/README.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
-#include <utility>
 #include <vector>
 
 #include "vec_math.h"
@@ -24,95 +29,114 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return reduce_add(acc);
 }
 
-// The G heads of one row that share a key / value head (grouped-query attention), each head exactly as it would
-// be alone: C = d / 16 when the head size is a common one (the loops unroll and q, the key dots and the output
-// accumulators stay in registers), 0 for any other d (runtime loops, G = 1). Every variant gives the same bits:
-// every key's score is `dot`'s sequence of operations and its reduce_add tree (sixteen keys reduce at once in
-// reduce_add16, which sums each lane by that same tree), and each head's softmax and weighted sum of the values
-// run in key order. The heads share only the loads (and the out-of-order core overlaps their chains).
-template <int C, int G>
-void one_group(const float* q, int64_t qs, const float* k, int64_t ks, const float* v, int64_t vs, int64_t len,
-               int64_t d, float scale, float* out, int64_t os, std::vector<float>& buf) {
+constexpr int kMaxChunks = 16;  // d <= 256
+constexpr int64_t kRowBlock = 8;  // query rows of one sequence that share each key / value load
+constexpr int64_t kValueTile = 32;  // keys whose values stay in L1 while every row and head reads them
+
+// Rows [0, R) of one sequence (query row i at q + i qr, head g at + g qh), the G query heads that share one key /
+// value head. Each (row, head) runs exactly the operations of a one-row call, in the same order: its key scores
+// (`dot`'s sequence and reduce_add tree; sixteen keys at once through reduce_add16, which keeps each lane's tree),
+// its softmax, and its weighted sum of the values in key order. Only the loop nesting differs: a block of keys is
+// loaded once for every row and head that reads it, instead of once per (row, head).
+template <int C>
+void rows_group(const float* q, int64_t qr, int64_t qh, const float* k, int64_t ks, const float* v, int64_t vs,
+                const int64_t* len, int64_t R, int64_t G, int64_t d, float scale, float* out, int64_t orow,
+                int64_t ohead, std::vector<float>& buf) {
   const int64_t chunks = C > 0 ? C : d / 16;
-  if (len <= 0) {
-    for (int g = 0; g < G; ++g)
-      for (int64_t e = 0; e < d; ++e) out[g * os + e] = 0.0f;
-    return;
-  }
-  const int64_t padded = (len + 15) / 16 * 16;
-  if (static_cast<int64_t>(buf.size()) < G * padded) buf.resize(G * padded);
-  constexpr int kMaxChunks = 16;  // d <= 256
+  int64_t maxlen = 0;
+  for (int64_t i = 0; i < R; ++i) maxlen = std::max(maxlen, len[i]);
+  const int64_t padded = (maxlen + 15) / 16 * 16;
+  const int64_t scores = R * G * padded, accs = R * G * chunks * 16;
+  if (static_cast<int64_t>(buf.size()) < scores + accs + R * G) buf.resize(scores + accs + R * G);
+  float* sbuf = buf.data();
+  float* abuf = sbuf + scores;
+  float* inv = abuf + accs;
   const f32x16 sv = set1(scale);
-  float inv[G];
-  for (int g = 0; g < G; ++g) {
-    float* s = buf.data() + g * padded;
-    const float* qg = q + g * qs;
-    f32x16 qv[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) qv[c] = load(qg + 16 * c);
-    int64_t j = 0;
-    for (; j + 16 <= len; j += 16) {
-      f32x16 a[16];
-      for (int l = 0; l < 16; ++l) {
-        const float* kj = k + (j + l) * ks;
-        f32x16 acc = mul(qv[0], load(kj));
-        for (int64_t c = 1; c < chunks; ++c) acc = fmadd(qv[c], load(kj + 16 * c), acc);
-        a[kReduce16Slot[l]] = acc;
+  // scores: blocks of 16 keys, each scored for every (row, head) that sees all sixteen
+  for (int64_t j = 0; j + 16 <= maxlen; j += 16) {
+    for (int64_t i = 0; i < R; ++i) {
+      if (j + 16 > len[i]) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + i * qr + g * qh;
+        f32x16 qv[kMaxChunks];
+        for (int64_t c = 0; c < chunks; ++c) qv[c] = load(qg + 16 * c);
+        f32x16 a[16];
+        for (int l = 0; l < 16; ++l) {
+          const float* kj = k + (j + l) * ks;
+          f32x16 acc = mul(qv[0], load(kj));
+          for (int64_t c = 1; c < chunks; ++c) acc = fmadd(qv[c], load(kj + 16 * c), acc);
+          a[kReduce16Slot[l]] = acc;
+        }
+        store(sbuf + (i * G + g) * padded + j, mul(reduce_add16(a), sv));
       }
-      store(s + j, mul(reduce_add16(a), sv));
-    }
-    for (; j < len; ++j) s[j] = dot(qg, k + j * ks, d) * scale;
-    float m = -INFINITY;
-    for (j = 0; j < len; ++j) m = s[j] > m ? s[j] : m;
-    for (j = len; j < padded; ++j) s[j] = -INFINITY;
-    const f32x16 mv = set1(m);
-    f32x16 sum = zero();
-    for (j = 0; j < padded; j += 16) {
-      const f32x16 p = dspark_kernels::exp(sub(load(s + j), mv));
-      store(s + j, p);
-      sum = add(sum, p);
-    }
-    inv[g] = 1.0f / reduce_add(sum);
-  }
-  f32x16 acc[G][kMaxChunks];
-  for (int g = 0; g < G; ++g)
-    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = zero();
-  for (int64_t j = 0; j < len; ++j) {
-    const float* vj = v + j * vs;
-    f32x16 p[G];
-    for (int g = 0; g < G; ++g) p[g] = set1(buf[g * padded + j]);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const f32x16 vv = load(vj + 16 * c);
-      for (int g = 0; g < G; ++g) acc[g][c] = fmadd(p[g], vv, acc[g][c]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const f32x16 iv = set1(inv[g]);
-    for (int64_t c = 0; c < chunks; ++c) store(out + g * os + 16 * c, mul(acc[g][c], iv));
+  // the keys past each row's last full block of 16, one at a time; then each (row, head)'s softmax
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t n = len[i];
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = sbuf + (i * G + g) * padded;
+      const float* qg = q + i * qr + g * qh;
+      for (int64_t j = n / 16 * 16; j < n; ++j) s[j] = dot(qg, k + j * ks, d) * scale;
+      if (n <= 0) continue;
+      const int64_t np = (n + 15) / 16 * 16;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+      for (int64_t j = n; j < np; ++j) s[j] = -INFINITY;
+      const f32x16 mv = set1(m);
+      f32x16 sum = zero();
+      for (int64_t j = 0; j < np; j += 16) {
+        const f32x16 p = dspark_kernels::exp(sub(load(s + j), mv));
+        store(s + j, p);
+        sum = add(sum, p);
+      }
+      inv[i * G + g] = 1.0f / reduce_add(sum);
+    }
   }
+  // the weighted sums: each (row, head)'s accumulators in registers over a tile of keys, in key order
+  for (int64_t e = 0; e < accs; e += 16) store(abuf + e, zero());
+  for (int64_t j0 = 0; j0 < maxlen; j0 += kValueTile) {
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t j1 = std::min(j0 + kValueTile, len[i]);
+      if (j1 <= j0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* s = sbuf + (i * G + g) * padded;
+        float* ab = abuf + (i * G + g) * chunks * 16;
+        f32x16 acc[kMaxChunks];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = load(ab + 16 * c);
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* vj = v + j * vs;
+          const f32x16 p = set1(s[j]);
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = fmadd(p, load(vj + 16 * c), acc[c]);
+        }
+        for (int64_t c = 0; c < chunks; ++c) store(ab + 16 * c, acc[c]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = out + i * orow + g * ohead;
+      if (len[i] <= 0) {
+        for (int64_t e = 0; e < d; ++e) o[e] = 0.0f;
+        continue;
+      }
+      const f32x16 iv = set1(inv[i * G + g]);
+      const float* ab = abuf + (i * G + g) * chunks * 16;
+      for (int64_t c = 0; c < chunks; ++c) store(o + 16 * c, mul(load(ab + 16 * c), iv));
+    }
 }
 
-using GroupFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, int64_t, float,
-                         float*, int64_t, std::vector<float>&);
+using GroupFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t, const int64_t*,
+                         int64_t, int64_t, int64_t, float, float*, int64_t, int64_t, std::vector<float>&);
 
-// (kernel, heads per call) for head size d and `group` query heads per key head
-std::pair<GroupFn, int64_t> group_fn(int64_t d, int64_t group) {
-  if (d == 64) {
-    if (group % 4 == 0) return {one_group<4, 4>, 4};
-    if (group % 3 == 0) return {one_group<4, 3>, 3};
-    if (group % 2 == 0) return {one_group<4, 2>, 2};
-    return {one_group<4, 1>, 1};
-  }
-  if (d == 128) {
-    if (group % 2 == 0) return {one_group<8, 2>, 2};
-    return {one_group<8, 1>, 1};
-  }
-  return {one_group<0, 1>, 1};
+GroupFn group_fn(int64_t d) {
+  if (d == 64) return rows_group<4>;
+  if (d == 128) return rows_group<8>;
+  return rows_group<0>;
 }
 
 }  // namespace
 
-// rows_major: the output as [n * Q, h * d] (row r * Q + i holds its heads side by side, the layout the output
-// projection reads) instead of [n, h, Q, d].
 torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const torch::Tensor& lengths, double scale, bool rows_major) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [n, heads, rows, d]");
@@ -130,18 +154,21 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k, con
   auto out = rows_major ? torch::empty({n * Q, h * d}, torch::kFloat32) : torch::empty({n, h, Q, d}, torch::kFloat32);
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t group = h / kvh;
-  const std::pair<GroupFn, int64_t> chosen = group_fn(d, group);
-  const GroupFn fn = chosen.first;
-  const int64_t G = chosen.second;
-  const int64_t calls = h / G;  // (row, G heads of one key head) per call
-  at::parallel_for(0, n * calls * Q, 8, [&](int64_t t0, int64_t t1) {
+  // smaller row blocks where there would be too few tasks to keep every thread busy (results do not depend on it)
+  int64_t rb = kRowBlock;
+  while (rb > 1 && n * kvh * ((Q + rb - 1) / rb) < 2 * at::get_num_threads()) rb /= 2;
+  const int64_t group = h / kvh, blocks = (Q + rb - 1) / rb;
+  const GroupFn fn = group_fn(d);
+  // one task: a sequence's key / value head, the query heads that share it, and a block of up to 8 query rows
+  at::parallel_for(0, n * kvh * blocks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / (calls * Q), hh = (t / Q) % calls * G, i = t % Q, g = hh / group;
-      fn(qp + r * q.stride(0) + hh * q.stride(1) + i * q.stride(2), q.stride(1), kp + r * k.stride(0) + g * k.stride(1),
-         k.stride(2), vp + r * v.stride(0) + g * v.stride(1), v.stride(2), len[r * Q + i], d,
-         static_cast<float>(scale), op + (rows_major ? ((r * Q + i) * h + hh) * d : ((r * h + hh) * Q + i) * d),
+      const int64_t r = t / (kvh * blocks), g = t / blocks % kvh, i0 = t % blocks * rb;
+      const int64_t R = std::min(rb, Q - i0), hh = g * group;
+      float* o = op + (rows_major ? ((r * Q + i0) * h + hh) * d : ((r * h + hh) * Q + i0) * d);
+      fn(qp + r * q.stride(0) + hh * q.stride(1) + i0 * q.stride(2), q.stride(2), q.stride(1),
+         kp + r * k.stride(0) + g * k.stride(1), k.stride(2), vp + r * v.stride(0) + g * v.stride(1), v.stride(2),
+         len + r * Q + i0, R, group, d, static_cast<float>(scale), o, rows_major ? h * d : d,
          rows_major ? d : Q * d, buf);
     }
   });

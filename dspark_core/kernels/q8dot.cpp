@@ -103,6 +103,18 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
+// Prefetch the next tile (`bytes` from `next`) into L2, spread over this tile's `count` block iterations (every
+// row pass and half): the weights of a step stream from DRAM while the core computes, also during the passes
+// that re-read this tile from L1 (AVX2, 2-core EPYC: 3-4 rows -14%, one row -6%, 8 rows -2%).
+inline void prefetch_next(const uint8_t* next, int64_t bytes, int64_t i, int64_t count) {
+  const int64_t lo = (i * bytes / count) & ~int64_t(63), hi = (i + 1) * bytes / count;
+  for (int64_t off = lo; off < hi; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
+}
+
+// The index of block g in rows m0..'s pass over half h of a tile, and how many such iterations a tile takes.
+inline int64_t pass_block(int64_t m0, int h, int64_t g, int64_t G) { return (2 * (m0 / kRows) + h) * G + g; }
+inline int64_t pass_blocks(int64_t M, int64_t G) { return 2 * ((M + kRows - 1) / kRows) * G; }
+
 #if defined(__AVX512F__)
 
 inline __m512 load_half16(const at::Half* p) {
@@ -118,7 +130,7 @@ inline __m512i bcast4(const int8_t* p) {
 // Q4: rows [m0, m0 + R) x one tile of 16 columns.
 template <int R>
 inline void q4_tile(const uint8_t* tile, const int8_t* xq, const float* s, const float* ssum, int64_t K, int64_t G,
-                    int64_t m0, float* y, int64_t N, int64_t n0) {
+                    int64_t m0, float* y, int64_t N, int64_t n0, int64_t /*M*/) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -150,7 +162,7 @@ inline void q4_tile(const uint8_t* tile, const int8_t* xq, const float* s, const
 // Q8: activations offset to uint8 (xq + 128); 128 * (sum of the block's codes) per column undoes the offset.
 template <int R>
 inline void q8_tile(const uint8_t* tile, const int8_t* xu, const float* s, int64_t K, int64_t G, int64_t m0,
-                    float* y, int64_t N, int64_t n0) {
+                    float* y, int64_t N, int64_t n0, int64_t /*M*/) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -185,14 +197,15 @@ inline __m256i bcast4(const int8_t* p) {
 // One half (8 columns) at a time over all blocks: 8 code vectors + R accumulators stay in the 16 registers.
 template <int R>
 inline void q4_tile(const uint8_t* tile, const int8_t* xq, const float* s, const float* ssum, int64_t K, int64_t G,
-                    int64_t m0, float* y, int64_t N, int64_t n0) {
+                    int64_t m0, float* y, int64_t N, int64_t n0, int64_t M) {
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* cb = tile + g * kQ4Bytes;
-      if (h == 0) prefetch(cb + kAhead * kQ4Bytes, kQ4Bytes);
+      if (h == 0 && m0 == 0) prefetch(cb + kAhead * kQ4Bytes, kQ4Bytes);
+      prefetch_next(tile + G * kQ4Bytes, G * kQ4Bytes, pass_block(m0, h, g, G), pass_blocks(M, G));
       __m256i w[8];
       for (int v = 0; v < 4; ++v) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * v + 32 * h));
@@ -220,14 +233,15 @@ inline void q4_tile(const uint8_t* tile, const int8_t* xq, const float* s, const
 // Q8 with signed activations: |w| (as uint8: |-128| reads as 128) times x sign(w), exact in int16 pairs.
 template <int R>
 inline void q8_tile(const uint8_t* tile, const int8_t* xq, const float* s, int64_t K, int64_t G, int64_t m0,
-                    float* y, int64_t N, int64_t n0) {
+                    float* y, int64_t N, int64_t n0, int64_t M) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* cb = tile + g * kQ8Bytes;
-      if (h == 0) prefetch(cb + kAhead * kQ8Bytes, kQ8Bytes);
+      if (h == 0 && m0 == 0) prefetch(cb + kAhead * kQ8Bytes, kQ8Bytes);
+      prefetch_next(tile + G * kQ8Bytes, G * kQ8Bytes, pass_block(m0, h, g, G), pass_blocks(M, G));
       const __m256i* wv = reinterpret_cast<const __m256i*>(cb + 32 * h);  // vector v at wv + 2 v
       __m256i aw[8];
       for (int v = 0; v < 8; ++v) aw[v] = _mm256_abs_epi8(_mm256_loadu_si256(wv + 2 * v));
@@ -304,7 +318,7 @@ torch::Tensor q4_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t
   float* yp = p.y.data_ptr<float>();
   const int64_t K = p.K, G = p.G;
   run_tiles(p.M, n, [&](int64_t t, int64_t m, auto rows) {
-    q4_tile<decltype(rows)::value>(wp + t * G * kQ4Bytes, xp, sp, ssp, K, G, m, yp, n, t * 16);
+    q4_tile<decltype(rows)::value>(wp + t * G * kQ4Bytes, xp, sp, ssp, K, G, m, yp, n, t * 16, p.M);
   });
   return p.y;
 }
@@ -317,7 +331,7 @@ torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t
   float* yp = p.y.data_ptr<float>();
   const int64_t K = p.K, G = p.G;
   run_tiles(p.M, n, [&](int64_t t, int64_t m, auto rows) {
-    q8_tile<decltype(rows)::value>(wp + t * G * kQ8Bytes, xp, sp, K, G, m, yp, n, t * 16);
+    q8_tile<decltype(rows)::value>(wp + t * G * kQ8Bytes, xp, sp, K, G, m, yp, n, t * 16, p.M);
   });
   return p.y;
 }

@@ -58,6 +58,28 @@ def test_a_rows_attention_does_not_depend_on_what_shares_its_call():
             torch.set_num_threads(1)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prefills_rows_get_their_one_row_bits_across_the_kernels_row_blocks(threads):
+    """The kernel takes up to 8 rows of a sequence at a time (fewer when threads would idle), sharing each block of
+    keys and values between them: every row of a 19-row prefill, with lengths that end inside, at and past a
+    block of 16 keys, must still equal the row scored alone."""
+    torch.manual_seed(7)
+    h, kvh, d, rows = 9, 3, 64, 19
+    kv = 40
+    q, k, v = torch.randn(1, h, rows, d), torch.randn(1, kvh, kv, d) * 2, torch.randn(1, kvh, kv, d)
+    lengths = [[22 + i for i in range(rows)]]  # 22 .. 40: a partial, a full and a second partial key block
+    lengths[0][5] = 0  # a padded row among them
+    torch.set_num_threads(threads)
+    try:
+        full = _attn(q, k, v, lengths, 0.125)
+    finally:
+        torch.set_num_threads(1)
+    for i in range(rows):
+        n_keys = lengths[0][i]
+        alone = _attn(q[:, :, i:i + 1], k[:, :, :max(n_keys, 1)], v[:, :, :max(n_keys, 1)], [[n_keys]], 0.125)
+        assert torch.equal(alone[0, :, 0], full[0, :, i]), i
+
+
 @pytest.mark.parametrize("d", [64, 128, 48])
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_a_head_gets_the_same_bits_alone_or_with_its_group(d, group):
