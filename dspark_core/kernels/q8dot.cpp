@@ -105,7 +105,7 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
 
 // Prefetch the next tile (`bytes` from `next`) into L2, spread over this tile's `count` block iterations (every
 // row pass and half): the weights of a step stream from DRAM while the core computes, also during the passes
-// that re-read this tile from L1 (AVX2, 2-core EPYC: 3-4 rows -14%, one row -6%, 8 rows -2%).
+// that re-read this tile from L1 (AVX2, 2-core EPYC, scripts/kernel_ab.py: one forward's projections 0.95-0.98x).
 inline void prefetch_next(const uint8_t* next, int64_t bytes, int64_t i, int64_t count) {
   const int64_t lo = (i * bytes / count) & ~int64_t(63), hi = (i + 1) * bytes / count;
   for (int64_t off = lo; off < hi; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
