@@ -10,7 +10,8 @@
 // The rows of a verify pass or a prefill see (nearly) the same keys: a task takes a block of up to 8 rows of one
 // sequence and the query heads of one key head, and loads each block of keys / values once for all of them
 // (from L1) instead of once per (row, head). On a 2-core AVX2 EPYC (scripts/kernel_ab.py): 0.81x at 8 rows,
-// context 256, 0.70x at context 768 (docs/results/weights/README.md).
+// context 256, 0.70x at context 768 (docs/results/weights/README.md). With AVX512's 32 vector registers a row's
+// heads also share each value load in the weighted sums (value_tile): 0.91-0.96x again on an AVX512 EPYC.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -32,6 +33,49 @@ inline float dot(const float* a, const float* b, int64_t d) {
 constexpr int kMaxChunks = 16;  // d <= 256
 constexpr int64_t kRowBlock = 8;  // query rows of one sequence that share each key / value load
 constexpr int64_t kValueTile = 32;  // keys whose values stay in L1 while every row and head reads them
+#if defined(__AVX512F__)
+constexpr int kAccVectors = 16;  // f32x16 accumulators the value sums may keep in registers (32 zmm)
+#else
+constexpr int kAccVectors = 4;  // an f32x16 is two ymm of 16: more than one head's accumulators would spill
+#endif
+
+// One tile of keys [j0, j1) of the weighted value sums of N (row, head) pairs that see all of them: each value
+// vector is loaded once for the N; each pair's accumulator adds fmadd(p, v) in key order, as when alone.
+template <int C, int N>
+inline void value_tile(const float* v, int64_t vs, int64_t j0, int64_t j1, const float* const* s, float* const* ab) {
+  f32x16 acc[N][C];
+  for (int g = 0; g < N; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = load(ab[g] + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vj = v + j * vs;
+    f32x16 p[N];
+    for (int g = 0; g < N; ++g) p[g] = set1(s[g][j]);
+    for (int c = 0; c < C; ++c) {
+      const f32x16 vv = load(vj + 16 * c);
+      for (int g = 0; g < N; ++g) acc[g][c] = fmadd(p[g], vv, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < N; ++g)
+    for (int c = 0; c < C; ++c) store(ab[g] + 16 * c, acc[g][c]);
+}
+
+// the heads of one row that share each value load: as many as fit kAccVectors accumulators (at least one)
+template <int C>
+constexpr int kHeadsPerLoad = C > 0 && kAccVectors / C > 1 ? (kAccVectors / C > 4 ? 4 : kAccVectors / C) : 1;
+
+template <int C>
+inline void value_heads(const float* v, int64_t vs, int64_t j0, int64_t j1, const float* const* s, float* const* ab,
+                        int n) {
+  if constexpr (C > 0) {
+    switch (n) {
+      case 4: if constexpr (kHeadsPerLoad<C> >= 4) return value_tile<C, 4>(v, vs, j0, j1, s, ab); break;
+      case 3: if constexpr (kHeadsPerLoad<C> >= 3) return value_tile<C, 3>(v, vs, j0, j1, s, ab); break;
+      case 2: if constexpr (kHeadsPerLoad<C> >= 2) return value_tile<C, 2>(v, vs, j0, j1, s, ab); break;
+      default: break;
+    }
+    for (int g = 0; g < n; ++g) value_tile<C, 1>(v, vs, j0, j1, s + g, ab + g);
+  }
+}
 
 // Rows [0, R) of one sequence (query row i at q + i qr, head g at + g qh), the G query heads that share one key /
 // value head. Each (row, head) runs exactly the operations of a one-row call, in the same order: its key scores
@@ -99,6 +143,19 @@ void rows_group(const float* q, int64_t qr, int64_t qh, const float* k, int64_t 
     for (int64_t i = 0; i < R; ++i) {
       const int64_t j1 = std::min(j0 + kValueTile, len[i]);
       if (j1 <= j0) continue;
+      if constexpr (C > 0) {
+        for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerLoad<C>) {
+          const int n = static_cast<int>(std::min<int64_t>(kHeadsPerLoad<C>, G - g0));
+          const float* s[4];
+          float* ab[4];
+          for (int g = 0; g < n; ++g) {
+            s[g] = sbuf + (i * G + g0 + g) * padded;
+            ab[g] = abuf + (i * G + g0 + g) * chunks * 16;
+          }
+          value_heads<C>(v, vs, j0, j1, s, ab, n);
+        }
+        continue;
+      }
       for (int64_t g = 0; g < G; ++g) {
         const float* s = sbuf + (i * G + g) * padded;
         float* ab = abuf + (i * G + g) * chunks * 16;
