@@ -98,8 +98,10 @@ class EngineConfig:
     # output is untouched; False drafts for every request every step (the paper's loop).
     gate_drafts: bool = True
     # a round "does not pay" when its expected accepted drafts are below this fraction of their cost (< 1: drafts
-    # near break-even keep drafting, where a wrong skip costs more than a wrong draft)
-    draft_gate_margin: float = 0.75
+    # near break-even keep drafting). 1.0 since 2026-12-04: SmolLM2 batch 1 at T = 1, causal / AR paired, 0.90 /
+    # 0.91 at 0.75 against 0.97 / 0.96 at 1.0 on an AVX512 EPYC (a drafter round 35% of a step); greedy and the
+    # Intel machine of session 19 unchanged within noise (docs/results/smollm2/README.md, "Draft gate margin")
+    draft_gate_margin: float = 1.0
     draft_gate_min: int = 4
     draft_gate_max: int = 64
     # apply the drafter's request-history recalibration (calibration.json "request_history", if it has one): a
