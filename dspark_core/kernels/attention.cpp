@@ -59,22 +59,19 @@ inline void value_tile(const float* v, int64_t vs, int64_t j0, int64_t j1, const
     for (int c = 0; c < C; ++c) store(ab[g] + 16 * c, acc[g][c]);
 }
 
-// the heads of one row that share each value load: as many as fit kAccVectors accumulators (at least one)
+// the heads of one row that share each value load (C > 0): as many as fit kAccVectors accumulators, 1 to 4
+constexpr int kMaxHeadsPerLoad = 4;
 template <int C>
-constexpr int kHeadsPerLoad = C > 0 && kAccVectors / C > 1 ? (kAccVectors / C > 4 ? 4 : kAccVectors / C) : 1;
+constexpr int kHeadsPerLoad = std::max(1, std::min(kMaxHeadsPerLoad, kAccVectors / C));
 
+// value_tile for n <= kHeadsPerLoad<C> pairs, n known only at run time
 template <int C>
 inline void value_heads(const float* v, int64_t vs, int64_t j0, int64_t j1, const float* const* s, float* const* ab,
                         int n) {
-  if constexpr (C > 0) {
-    switch (n) {
-      case 4: if constexpr (kHeadsPerLoad<C> >= 4) return value_tile<C, 4>(v, vs, j0, j1, s, ab); break;
-      case 3: if constexpr (kHeadsPerLoad<C> >= 3) return value_tile<C, 3>(v, vs, j0, j1, s, ab); break;
-      case 2: if constexpr (kHeadsPerLoad<C> >= 2) return value_tile<C, 2>(v, vs, j0, j1, s, ab); break;
-      default: break;
-    }
-    for (int g = 0; g < n; ++g) value_tile<C, 1>(v, vs, j0, j1, s + g, ab + g);
-  }
+  if constexpr (kHeadsPerLoad<C> >= 4) if (n == 4) return value_tile<C, 4>(v, vs, j0, j1, s, ab);
+  if constexpr (kHeadsPerLoad<C> >= 3) if (n == 3) return value_tile<C, 3>(v, vs, j0, j1, s, ab);
+  if constexpr (kHeadsPerLoad<C> >= 2) if (n == 2) return value_tile<C, 2>(v, vs, j0, j1, s, ab);
+  value_tile<C, 1>(v, vs, j0, j1, s, ab);
 }
 
 // Rows [0, R) of one sequence (query row i at q + i qr, head g at + g qh), the G query heads that share one key /
@@ -146,8 +143,8 @@ void rows_group(const float* q, int64_t qr, int64_t qh, const float* k, int64_t 
       if constexpr (C > 0) {
         for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerLoad<C>) {
           const int n = static_cast<int>(std::min<int64_t>(kHeadsPerLoad<C>, G - g0));
-          const float* s[4];
-          float* ab[4];
+          const float* s[kMaxHeadsPerLoad];
+          float* ab[kMaxHeadsPerLoad];
           for (int g = 0; g < n; ++g) {
             s[g] = sbuf + (i * G + g0 + g) * padded;
             ab[g] = abuf + (i * G + g0 + g) * chunks * 16;
