@@ -30,7 +30,11 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int kRows = 4;  // rows sharing one load of a weight block
+#if defined(__AVX512F__)
+constexpr int kRows = 8;  // rows sharing one load (and unpacking) of a weight block: 8 codes + 8 sums fit 32 zmm
+#else
+constexpr int kRows = 4;  // rows sharing one load of a weight block (16 ymm: 8 codes + 4 sums + temporaries)
+#endif
 
 #if defined(__AVX512F__)
 constexpr bool kQ8Offset = true;  // Q8 activations as uint8 (xq + 128): vpdpbusd's unsigned operand
@@ -283,6 +287,12 @@ void run_tiles(int64_t M, int64_t N, Tile tile) {
       int64_t m = 0;
       for (; m + kRows <= M; m += kRows) tile(t, m, std::integral_constant<int, kRows>{});
       switch (M - m) {
+#if defined(__AVX512F__)
+        case 7: tile(t, m, std::integral_constant<int, 7>{}); break;
+        case 6: tile(t, m, std::integral_constant<int, 6>{}); break;
+        case 5: tile(t, m, std::integral_constant<int, 5>{}); break;
+        case 4: tile(t, m, std::integral_constant<int, 4>{}); break;
+#endif
         case 3: tile(t, m, std::integral_constant<int, 3>{}); break;
         case 2: tile(t, m, std::integral_constant<int, 2>{}); break;
         case 1: tile(t, m, std::integral_constant<int, 1>{}); break;
