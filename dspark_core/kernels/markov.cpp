@@ -110,6 +110,27 @@ inline uint64_t column_key(float x, uint32_t column) {
   return (static_cast<uint64_t>(~ascending) << 32) | column;
 }
 
+// The K-th smallest of `keys` (1 <= K <= keys.size()) by one radix pass: a histogram of the keys' top 12 bits
+// (sign, exponent and 3 mantissa bits of the logit) finds the bucket that holds it, and only that bucket's keys
+// are partially sorted. The same key std::nth_element over all of them finds (keys are unique), at a fraction of
+// the cost: a SmolLM2 DSpark round at T = 1 spent ~0.3 ms in nth_element over 8,192 logits x 7 slots.
+constexpr int kBucketBits = 12;
+constexpr int64_t kBuckets = int64_t{1} << kBucketBits;
+
+uint64_t kth_smallest(const std::vector<uint64_t>& keys, int64_t K, std::vector<int32_t>& hist,
+                      std::vector<uint64_t>& scratch) {
+  std::fill(hist.begin(), hist.end(), 0);
+  for (const uint64_t key : keys) ++hist[key >> (64 - kBucketBits)];
+  int64_t bucket = 0, before = 0;
+  while (before + hist[bucket] < K) before += hist[bucket++];
+  int64_t m = 0;
+  for (const uint64_t key : keys)
+    if (static_cast<int64_t>(key >> (64 - kBucketBits)) == bucket) scratch[m++] = key;
+  const int64_t need = K - before;  // 1 <= need <= m
+  std::nth_element(scratch.begin(), scratch.begin() + (need - 1), scratch.begin() + m);
+  return scratch[need - 1];
+}
+
 }  // namespace
 
 // The same loop for a batch with sampled rows (temperatures[b] > 0; 0 = greedy). Each sampled slot is drawn
@@ -148,6 +169,7 @@ std::vector<torch::Tensor> markov_sample(const torch::Tensor& base, const torch:
   int64_t *tp = tokens.data_ptr<int64_t>(), *pp = prevs.data_ptr<int64_t>(), *sp = sup_ids.data_ptr<int64_t>();
   std::vector<int64_t> prev(ap, ap + B);
   std::vector<uint64_t> keys(V), scratch(V);
+  std::vector<int32_t> hist(kBuckets);
   std::vector<int32_t> cols(K);
   std::vector<float> cdf(K);
   for (int64_t k = 0; k < gamma; ++k) {
@@ -171,9 +193,7 @@ std::vector<torch::Tensor> markov_sample(const torch::Tensor& base, const torch:
       if (K == V) {
         for (int64_t v = 0; v < V; ++v) cols[m++] = static_cast<int32_t>(v);
       } else {
-        std::copy(keys.begin(), keys.end(), scratch.begin());
-        std::nth_element(scratch.begin(), scratch.begin() + (K - 1), scratch.end());
-        const uint64_t cut = scratch[K - 1];
+        const uint64_t cut = kth_smallest(keys, K, hist, scratch);
         for (int64_t v = 0; v < V; ++v)
           if (keys[v] <= cut) cols[m++] = static_cast<int32_t>(v);
       }

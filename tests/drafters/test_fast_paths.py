@@ -399,6 +399,32 @@ def test_the_sampled_markov_kernel_draws_from_exactly_the_support_it_reports():
         torch.ops.dspark_cpu.markov_greedy.default(base[:1], w1, packed, v, torch.tensor([v]), torch.empty(0, dtype=torch.long))
 
 
+def test_the_sampled_markov_kernels_support_is_the_exact_top_k_at_a_real_vocabulary_size():
+    """markov_sample picks its support by a radix pass over the logits' top bits and a partial sort of one bucket:
+    the same set as sorting every logit (larger first, NaN largest, ties to the lower column), for supports of
+    1 .. V - 1 and logits that crowd into one bucket, tie, or are NaN."""
+    _kernels_or_skip()
+    from dspark_core.kernels import pack_q8
+
+    v, r = 8192, 32
+    gen = torch.Generator().manual_seed(3)
+    w1 = torch.zeros(4, r)
+    packed = pack_q8(*layers.quantize_q8_blocks(torch.zeros(v, r)))  # no Markov bias: the logits are `base`
+    spread = torch.randn(v, generator=gen) * 4
+    crowded = 1.0 + torch.rand(v, generator=gen) * 1e-3  # one exponent, nearly one bucket
+    ties = torch.randint(0, 5, (v,), generator=gen).float()  # five values, thousands of ties each
+    nans = spread.clone()
+    nans[torch.randperm(v, generator=gen)[:40]] = float("nan")
+    for logits in (spread, crowded, ties, nans):
+        base = logits.view(1, 1, v).contiguous()
+        order = sorted(range(v), key=lambda c: (0 if logits[c].isnan() else 1, -float(logits[c].nan_to_num()), c))
+        for k in (1, 2, 255, 256, 4096, v - 1):
+            ids = torch.ops.dspark_cpu.markov_sample.default(
+                base, w1, packed, v, torch.tensor([0]), torch.empty(0, dtype=torch.long), torch.tensor([1.0]),
+                torch.rand(1, 1, generator=gen), k)[3]
+            assert sorted(ids[0, 0].tolist()) == sorted(order[:k]), k
+
+
 def test_a_sampled_draft_through_the_kernel_reports_the_python_loops_distribution(monkeypatch):
     """The SmolLM2-sized path (a draft vocabulary, top-k < V) on the shipped tiny drafter with a smaller
     support: the kernel's support is the Python loop's as a set, with the same probabilities."""
