@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#include <immintrin.h>
 
 #include "vec_math.h"
 
@@ -59,6 +60,16 @@ inline void value_tile(const float* v, int64_t vs, int64_t j0, int64_t j1, const
     for (int c = 0; c < C; ++c) store(ab[g] + 16 * c, acc[g][c]);
 }
 
+// software prefetches of rows [j0, j1) of a [*, stride] float matrix, d floats a row
+constexpr int64_t kKeysAhead = 32;
+inline void prefetch_rows(const float* base, int64_t stride, int64_t j0, int64_t j1, int64_t d, int hint) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t e = 0; e < d; e += 16) {
+      const char* p = reinterpret_cast<const char*>(base + j * stride + e);
+      if (hint == _MM_HINT_T0) _mm_prefetch(p, _MM_HINT_T0); else _mm_prefetch(p, _MM_HINT_T1);
+    }
+}
+
 // the heads of one row that share each value load (C > 0): as many as fit kAccVectors accumulators, 1 to 4
 constexpr int kMaxHeadsPerLoad = 4;
 template <int C>
@@ -93,8 +104,14 @@ void rows_group(const float* q, int64_t qr, int64_t qh, const float* k, int64_t 
   float* abuf = sbuf + scores;
   float* inv = abuf + accs;
   const f32x16 sv = set1(scale);
-  // scores: blocks of 16 keys, each scored for every (row, head) that sees all sixteen
+  // scores: blocks of 16 keys, each scored for every (row, head) that sees all sixteen. The task's keys and values
+  // are not in cache (a step streams every layer's weights between two reads of a layer's cache): each block asks
+  // for the keys kKeysAhead further on and for its own values, which the weighted sums read after the softmax
+  prefetch_rows(k, ks, 0, std::min(kKeysAhead, maxlen), d, _MM_HINT_T0);
+  prefetch_rows(v, vs, maxlen / 16 * 16, maxlen, d, _MM_HINT_T1);  // the values of the keys past the last block
   for (int64_t j = 0; j + 16 <= maxlen; j += 16) {
+    prefetch_rows(k, ks, j + kKeysAhead, std::min(j + kKeysAhead + 16, maxlen), d, _MM_HINT_T0);
+    prefetch_rows(v, vs, j, j + 16, d, _MM_HINT_T1);
     for (int64_t i = 0; i < R; ++i) {
       if (j + 16 > len[i]) continue;
       for (int64_t g = 0; g < G; ++g) {
