@@ -97,3 +97,40 @@ def test_a_catch_up_pass_does_not_gate_requests_whose_drafts_pay(stack):
         drafter.__dict__.pop("propose", None)
     assert engine.num_gated_drafts == 0
     assert sum(n for _, n in calls) == sum(len(r.proposed_per_round) for r in out)
+
+
+def test_a_gated_stretch_reaches_the_drafter_whole_and_in_order(stack):
+    """While a request is gated its committed positions pile up (one part a step); its next draft gets them as one
+    block: every position from 0 to the anchor exactly once, in order, with the tokens committed there."""
+    target, drafter = stack
+    engine = Engine(target, drafter, EngineConfig(policy="causal", draft_gate_min=2, draft_gate_max=8), sps=STEEP)
+    ids = [engine.add_request(target.tokenizer.encode(t, add_special_tokens=False),
+                              SamplingParams(temperature=0.0, max_new_tokens=48)) for t in PROMPTS]
+    seen: dict[str, list[tuple[int, list[int], int, int]]] = {}  # request -> (start, tokens, rows, anchor) a call
+    propose = drafter.propose
+
+    def record(items):
+        for it in items:
+            rid = next(r.request_id for r in engine.active if r.draft_state is it.state)
+            rows = 0 if it.new_features is None else int(it.new_features.shape[0])
+            seen.setdefault(rid, []).append((it.new_positions_start, list(it.new_tokens), rows, it.anchor_pos))
+        return propose(items)
+
+    drafter.propose = record
+    try:
+        engine.run()
+    finally:
+        del drafter.propose
+    assert engine.num_gated_drafts > 0
+    backlog = 0
+    for rid in ids:
+        req = engine.pop(rid)
+        committed = req.prompt_ids + req.output_ids
+        position = 0
+        for start, tokens, rows, anchor_pos in seen[rid]:
+            assert start == position and rows == len(tokens) and start + rows == anchor_pos
+            assert tokens == committed[start:anchor_pos]
+            position = anchor_pos
+            if start > 0:
+                backlog = max(backlog, rows)
+    assert backlog > drafter.block_size + 1  # some call carried a gated stretch of several steps
