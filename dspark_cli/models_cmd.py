@@ -97,22 +97,43 @@ def _install(args) -> int:
 
 def _quick_profile(target_dir: Path, budget_s: float) -> int:
     """A quick SPS table beside a freshly installed target that has none (what a verifier measures at
-    start-up), so that the cost-table policies run from the first `dspark generate`."""
+    start-up), so that the cost-table policies run from the first `dspark generate`; measured again when the
+    table there was measured with another build of our CPU kernels (a `make setup` after a kernel change)."""
+    from dspark_core.cost_model import SpsTable
     from dspark_core.stack import SPS_FILE, find_generated, load_target_runtime
 
-    if budget_s <= 0 or find_generated(target_dir, SPS_FILE) is not None:
+    found = find_generated(target_dir, SPS_FILE)
+    if budget_s <= 0 or found is not None and not _kernels_changed(found):
         return 0
     import torch
 
-    from dspark_core.profiling import quick_sps_table
+    from dspark_core.profiling import quick_sps_table, stale_kernels
 
     target = load_target_runtime(str(target_dir))
+    if found is not None:
+        why = stale_kernels(SpsTable.load(found), target)
+        if why is None:
+            return 0
+        print(f"the cost table {found} is stale ({why}): measuring it again")
     torch.set_num_threads(1)  # the serving default on a CPU box; `dspark profile --threads` for others
     table = quick_sps_table(target, budget_s=budget_s)
     table.save(target_dir / SPS_FILE)
     print(f"profiled a quick cost table ({len(table.batch_sizes)} batch sizes, {table.weights or 'loaded'} weights) "
           f"-> {target_dir / SPS_FILE}; `dspark profile --target smollm2` measures the full one")
     return 0
+
+
+def _kernels_changed(path: Path) -> bool:
+    """Whether the table at `path` records a kernel build other than the one this machine builds now (cheap: no
+    model is loaded; a table that records none is taken as current)."""
+    from dspark_core.cost_model import SpsTable
+    from dspark_core.kernels import build_id
+
+    try:
+        recorded = SpsTable.load(path).kernels
+    except (OSError, ValueError):
+        return False
+    return recorded is not None and recorded != build_id()
 
 
 def _import(args) -> int:

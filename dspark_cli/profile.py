@@ -56,7 +56,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from dspark_core.cost_model import monotone, plot_sps, profile_sps
-    from dspark_core.profiling import VerifyStepBench, requests_grid
+    from dspark_core.profiling import VerifyStepBench, kernels_in_use, requests_grid
     from dspark_core.target import TargetConfig, TargetRuntime
 
     if args.max_batch < 1:
@@ -83,7 +83,8 @@ def run(args) -> int:
     grid = requests_grid(requests, args.block)
     bar = tqdm(total=args.repeats * (1 + len(grid)), desc="profile", unit="sweep")
     meta = dict(device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
-                context_length=args.context_length, model=target.name, weights=target.weights)
+                context_length=args.context_length, model=target.name, weights=target.weights,
+                kernels=kernels_in_use(target))
     table = profile_sps(bench, sizes, repeats=args.repeats, warmup=2, progress=lambda: bar.update(1), **meta)
     rows = tuple((r, profile_sps(lambda b, r=r: bench(b, requests=r), bs, repeats=args.repeats, warmup=2,
                                  progress=lambda: bar.update(1), **meta)) for r, bs in grid.items())

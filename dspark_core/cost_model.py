@@ -30,7 +30,7 @@ from dspark_core.errors import InvalidArgument
 SPS_TABLE_FORMAT = "dspark-sps-table"
 SPS_TABLE_VERSION = 1
 
-_METADATA_FIELDS = ("device", "dtype", "context_length", "model", "weights")
+_METADATA_FIELDS = ("device", "dtype", "context_length", "model", "weights", "kernels")
 _DENSE_LIMIT = 1 << 16  # largest B cached by SpsTable.sps_range; larger B are computed per call
 
 
@@ -66,6 +66,9 @@ class SpsTable:
     model: str | None = None
     # the target's served weight format (`--weights`): the cost curve is that format's
     weights: str | None = None
+    # the build of our CPU kernels the table was measured with (`dspark_core.kernels.build_id()`; None: none ran):
+    # a rebuilt kernel can move the curve (2026-12-05: 5-8 rows ~15% cheaper), so a table of another build is stale
+    kernels: str | None = None
     # Optional rows measured with exactly R requests in the pass ((R, table over B >= R), R increasing): a step
     # of 8 tokens costs less as one request verifying 8 than as 8 requests verifying one each (attention over
     # one context, not 8). `for_requests(R)` reads them; the plain table is what B alone says.
@@ -99,7 +102,7 @@ class SpsTable:
         for i, s in enumerate(speeds):
             if not _is_real(s) or not math.isfinite(s) or s <= 0:
                 raise InvalidArgument(f"steps_per_second[{i}]", s, "must be a positive finite number")
-        for name in ("device", "dtype", "model"):
+        for name in ("device", "dtype", "model", "weights", "kernels"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidArgument(name, value, "must be a string or None")
@@ -176,7 +179,7 @@ class SpsTable:
         return SpsTable(batch_sizes=self.batch_sizes,
                         steps_per_second=tuple(1.0 / (t + seconds) for t in self._step_times),
                         device=self.device, dtype=self.dtype, context_length=self.context_length, model=self.model,
-                        weights=self.weights)
+                        weights=self.weights, kernels=self.kernels)
 
     def for_requests(self, r: int) -> "SpsTable":
         """SPS(B) of a pass that carries `r` requests' tokens (what a scheduler deciding one step knows).
@@ -202,7 +205,7 @@ class SpsTable:
                              steps_per_second=tuple(1.0 / ((1 - w) * t0.step_time(b) + w * t1.step_time(b))
                                                     for b in sizes),
                              device=self.device, dtype=self.dtype, context_length=self.context_length,
-                             model=self.model, weights=self.weights)
+                             model=self.model, weights=self.weights, kernels=self.kernels)
         self._per_requests[r] = table
         return table
 
@@ -377,7 +380,7 @@ def monotone(table: SpsTable) -> SpsTable:
     rows = None if not table.by_requests else tuple((r, monotone(t)) for r, t in table.by_requests)
     return SpsTable(batch_sizes=table.batch_sizes, steps_per_second=tuple(1.0 / t for t in times),
                     device=table.device, dtype=table.dtype, context_length=table.context_length, model=table.model,
-                    weights=table.weights, by_requests=rows)
+                    weights=table.weights, kernels=table.kernels, by_requests=rows)
 
 
 def sps_callable(sps: SpsLike) -> Callable[[int], float]:
@@ -464,6 +467,7 @@ def profile_sps(
     context_length: int | None = None,
     model: str | None = None,
     weights: str | None = None,
+    kernels: str | None = None,
     progress: Callable[[], object] | None = None,
 ) -> SpsTable:
     """Measure SPS(B): for each batch size, `warmup` untimed calls of `step_fn(b)`, then `repeats` timed
@@ -513,6 +517,7 @@ def profile_sps(
         context_length=context_length,
         model=model,
         weights=weights,
+        kernels=kernels,
     )
 
 

@@ -84,6 +84,27 @@ class VerifyStepBench:
         self.seqs = []
 
 
+def kernels_in_use(target) -> str | None:
+    """The build of our CPU kernels `target`'s forward runs (`dspark_core.kernels.build_id()`), None for a target
+    off the CPU or where they do not run: what a cost table measured on it records (`SpsTable.kernels`)."""
+    if getattr(getattr(target, "device", None), "type", "cpu") != "cpu":
+        return None
+    from .kernels import build_id
+
+    return build_id()
+
+
+def stale_kernels(table, target) -> str | None:
+    """Why `table` no longer describes `target`'s forward (None: it does, or it does not say): measured with
+    another build of our CPU kernels than the one running now."""
+    if table is None or table.kernels is None:
+        return None
+    now = kernels_in_use(target)
+    if now == table.kernels:
+        return None
+    return f"measured with kernels {table.kernels}, running {now or 'none'}"
+
+
 def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float = 30.0, repeats: int = 5,
                     block: int = 8):
     """A quick SPS(B) table (B = 1, 2, 4, ... max_tokens, `repeats` timed sweeps each), for a target that has
@@ -125,6 +146,7 @@ def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float
     finally:
         bench.close()
     meta = dict(device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
-                context_length=bench.context_length, model=target.name, weights=getattr(target, "weights", None))
+                context_length=bench.context_length, model=target.name, weights=getattr(target, "weights", None),
+                kernels=kernels_in_use(target))
     rows = ((1, SpsTable(row.batch_sizes, row.steps_per_second, **meta)),) if row is not None else None
     return monotone(SpsTable(tuple(measured), tuple(speeds), by_requests=rows, **meta))

@@ -85,6 +85,14 @@ def q8dot_unavailable() -> str | None:
     return why
 
 
+def build_id() -> str | None:
+    """The build of our kernels this process runs (its build directory's name: instruction set and a digest of the
+    sources and torch version), None where they do not run. Cost tables record it (`SpsTable.kernels`)."""
+    if q8dot_unavailable() is not None:
+        return None
+    return build_dir(_state["isa"]).name  # type: ignore[arg-type]
+
+
 def loaded() -> bool:
     """Whether the kernels are loaded in this process already (never builds or loads them)."""
     return "why" in _state and _state["why"] is None

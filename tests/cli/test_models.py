@@ -11,6 +11,7 @@ import torch
 
 from dspark_cli.main import main
 from dspark_cli.models import smollm2_gguf, target_dirs
+from dspark_core.errors import InvalidArgument
 
 
 def run_cli(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -131,3 +132,42 @@ def test_a_fresh_install_profiles_a_quick_cost_table_once(tmp_path, tiny_target_
     shutil.rmtree(target)
     target.mkdir()
     assert _quick_profile(target, 0) == 0 and not (target / "sps.json").exists()  # 0 = do not
+
+
+def test_a_table_measured_with_other_kernels_is_measured_again(tmp_path, tiny_target_dir, capsys):
+    """A cost table records the build of our CPU kernels it was measured with; `models install` (and so `make
+    setup`) measures it again after the kernels changed (their cost curve moves with them), and the serving
+    start-up and the bench say it is stale."""
+    import dataclasses
+    import shutil
+
+    from dspark_cli.models_cmd import _quick_profile
+    from dspark_core.cost_model import SpsTable
+    from dspark_core.kernels import build_id
+    from dspark_core.profiling import stale_kernels
+    from dspark_core.stack import load_target_runtime
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target, ignore=shutil.ignore_patterns("sps*.json"))
+    assert _quick_profile(target, 2.0) == 0
+    fresh = SpsTable.load(target / "sps.json")
+    assert fresh.kernels == build_id()  # None where our kernels do not run
+    runtime = load_target_runtime(str(target))
+    assert stale_kernels(fresh, runtime) is None and stale_kernels(None, runtime) is None
+    assert stale_kernels(dataclasses.replace(fresh, kernels=None), runtime) is None  # an older table: unknown
+    old = dataclasses.replace(fresh, kernels="cpu-avx512-000000000000", steps_per_second=(1.0,) * len(fresh.batch_sizes))
+    old.save(target / "sps.json")
+    assert SpsTable.load(target / "sps.json").kernels == "cpu-avx512-000000000000"  # the field round-trips
+    assert "cpu-avx512-000000000000" in stale_kernels(old, runtime)
+    assert _quick_profile(target, 2.0) == 0
+    assert "stale" in capsys.readouterr().out
+    again = SpsTable.load(target / "sps.json")
+    assert again.kernels == build_id() and again.steps_per_second != old.steps_per_second
+    with pytest.raises(InvalidArgument, match="kernels"):
+        SpsTable(batch_sizes=(1,), steps_per_second=(1.0,), kernels=3)
+    # a serving pod that finds a stale table measures a quick one at start-up (unless told not to profile)
+    from services.verifier.server import startup_sps
+
+    old.save(target / "sps.json")
+    assert startup_sps(runtime, str(target), 0, str(target / "sps.json")).kernels == old.kernels
+    assert startup_sps(runtime, str(target), 1.0, str(target / "sps.json")).kernels == build_id()
