@@ -142,7 +142,8 @@ class Verifier:
         seqs = {i: self.target.new_sequence() for i in owners}
         try:
             out = self._forward([(seqs[i], list(items[i].prompt_ids)) for i in owners],
-                                [items[i].params for i in owners], last_logits_only=True)
+                                [items[i].params for i in owners], each_alone=getattr(self.target, "prefills_alone", False),
+                                last_logits_only=True)
             for i, it in enumerate(items):
                 if not unique[i]:
                     seqs[i] = self.target.fork(seqs[first_of[tuple(it.prompt_ids)]])
@@ -173,14 +174,21 @@ class Verifier:
         from the request's seeded streams) when seeded requests are not isolated."""
         return position if self.isolate_seeded else None
 
-    def _forward(self, batch: list, params: list[SamplingParams], **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward(self, batch: list, params: list[SamplingParams], each_alone: bool = False, **kw
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """target.forward over [(sequence, tokens)] -> [(logits, taps)] per entry, except that each seeded
         sampled request runs in a pass of its own: a batched forward rounds differently with the batch's
         shape, and a seeded request's logits and features (which its drafts come from) must not depend on
-        what else runs. Unseeded and greedy requests share one pass (and, without `isolate_seeded`, all)."""
-        alone = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy] if self.isolate_seeded \
-            else []
-        rest = [i for i in range(len(batch)) if i not in set(alone)]
+        what else runs. Unseeded and greedy requests share one pass (and, without `isolate_seeded`, all).
+        `each_alone`: every entry in a pass of its own (prompts, where the target prefills faster that way)."""
+        if each_alone:
+            alone = list(range(len(batch)))
+        elif self.isolate_seeded:
+            alone = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+        else:
+            alone = []
+        solo = set(alone)
+        rest = [i for i in range(len(batch)) if i not in solo]
         out: list = [None] * len(batch)
         for group in [[i] for i in alone] + ([rest] if rest else []):
             res = self.target.forward([batch[i] for i in group], **kw)
