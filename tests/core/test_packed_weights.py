@@ -335,6 +335,33 @@ def test_a_prefill_computes_each_position_bitwise_as_the_one_row_steps_beside_an
     assert torch.equal(beside, alone)
 
 
+def test_the_verifier_prefills_each_prompt_alone_on_packed_weights_with_the_batched_bits(tiny_gguf_dir,
+                                                                                          tiny_llama_dir):
+    """Where a prompt's positions do not depend on what shares the pass (packed weights on the CPU), the verifier
+    prefills one prompt a pass (a batch would pad every prompt to the longest) and gets the batched pass's bits;
+    dense weights keep one batched pass."""
+    from dspark_core.verifier import PrefillItem, Verifier
+
+    prompts = [(PROMPTS[2] * 20)[:120], PROMPTS[0] * 2, [3]]
+    for path, weights, passes in ((tiny_gguf_dir, "gguf", len(prompts)), (tiny_llama_dir, "float32", 1)):
+        target = _target(path, weights)
+        assert target.prefills_alone == (passes > 1)
+        seqs = [target.new_sequence() for _ in prompts]
+        batched = target.forward(list(zip(seqs, prompts)), last_logits_only=True)
+        want = [(batched.logits_of(i).clone(), batched.taps_of(i).clone()) for i in range(len(prompts))]
+        for s in seqs:
+            target.release(s)
+        calls = []
+        forward = target.forward
+        target.forward = lambda batch, **kw: calls.append(len(batch)) or forward(batch, **kw)
+        verifier = Verifier(target)
+        got = verifier.prefill([PrefillItem(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_new_tokens=4))
+                                for i, p in enumerate(prompts)])
+        assert len(calls) == passes
+        for (logits, taps), res, p in zip(want, got, prompts):
+            assert torch.equal(res.features, taps) and res.tokens == [int(logits[-1].argmax())], (weights, p)
+
+
 @pytest.mark.parametrize("weights,tolerance", [("bfloat16", 0.02), ("int8", 0.03), ("int4", 0.3)])
 def test_logits_close_to_float32(tiny_llama_dir, weights, tolerance):
     ref, packed = _target(tiny_llama_dir, "float32"), _target(tiny_llama_dir, weights)
