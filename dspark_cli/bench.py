@@ -282,9 +282,9 @@ def run(args) -> int:
     elif wants_sps:
         sps, sps_path = load_sps(target_dir)
         sps_source = str(sps_path) if sps is not None else None
-        from dspark_core.profiling import stale_kernels
+        from dspark_core.profiling import kernels_in_use, stale_kernels
 
-        stale = stale_kernels(sps, target)
+        stale = stale_kernels(sps, kernels_in_use(target))
         if stale is not None:
             print(f"dspark bench: warning: the cost table {sps_path} is stale ({stale}); the causal / async "
                   "policies start from it and correct it online. `dspark models install` (or `make setup`) or "

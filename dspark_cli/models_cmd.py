@@ -99,22 +99,21 @@ def _quick_profile(target_dir: Path, budget_s: float) -> int:
     """A quick SPS table beside a freshly installed target that has none (what a verifier measures at
     start-up), so that the cost-table policies run from the first `dspark generate`; measured again when the
     table there was measured with another build of our CPU kernels (a `make setup` after a kernel change)."""
-    from dspark_core.cost_model import SpsTable
     from dspark_core.stack import SPS_FILE, find_generated, load_target_runtime
 
-    found = find_generated(target_dir, SPS_FILE)
-    if budget_s <= 0 or found is not None and not _kernels_changed(found):
+    if budget_s <= 0:
         return 0
-    import torch
-
-    from dspark_core.profiling import quick_sps_table, stale_kernels
-
-    target = load_target_runtime(str(target_dir))
+    found = find_generated(target_dir, SPS_FILE)
     if found is not None:
-        why = stale_kernels(SpsTable.load(found), target)
+        why = _stale(found)
         if why is None:
             return 0
         print(f"the cost table {found} is stale ({why}): measuring it again")
+    import torch
+
+    from dspark_core.profiling import quick_sps_table
+
+    target = load_target_runtime(str(target_dir))
     torch.set_num_threads(1)  # the serving default on a CPU box; `dspark profile --threads` for others
     table = quick_sps_table(target, budget_s=budget_s)
     table.save(target_dir / SPS_FILE)
@@ -123,17 +122,18 @@ def _quick_profile(target_dir: Path, budget_s: float) -> int:
     return 0
 
 
-def _kernels_changed(path: Path) -> bool:
-    """Whether the table at `path` records a kernel build other than the one this machine builds now (cheap: no
-    model is loaded; a table that records none is taken as current)."""
+def _stale(path: Path) -> str | None:
+    """Why the table at `path` is stale for an installed (CPU) target: measured with another build of our kernels
+    than this machine's (None: current, records none, or unreadable, which is left alone as before)."""
     from dspark_core.cost_model import SpsTable
     from dspark_core.kernels import build_id
+    from dspark_core.profiling import stale_kernels
 
     try:
-        recorded = SpsTable.load(path).kernels
+        table = SpsTable.load(path)
     except (OSError, ValueError):
-        return False
-    return recorded is not None and recorded != build_id()
+        return None
+    return stale_kernels(table, build_id())
 
 
 def _import(args) -> int:

@@ -149,7 +149,6 @@ class RequestState:
     # draft_gate_max steps on top of its prompt's, and re-joining the whole backlog every step took 4% of a
     # SmolLM2 run at T = 1, causal, concurrency 8, 200-token prompts), None before the first commit
     pending_parts: list[torch.Tensor] | None = None
-    pending_rows: int = 0
     pending_start: int = 0
     pending_tokens: list[int] = field(default_factory=list)
     # tokens committed so far, including any past max_new_tokens that were cut from the output
@@ -197,6 +196,10 @@ class RequestState:
     @property
     def num_rounds(self) -> int:
         return len(self.accepted_per_round)
+
+    @property
+    def pending_rows(self) -> int:
+        return 0 if self.pending_parts is None else sum(int(p.shape[0]) for p in self.pending_parts)
 
     def take_pending_features(self) -> torch.Tensor | None:
         """The pending features as one [rows, L * H] tensor (None before the first commit); they stay pending."""
@@ -590,11 +593,10 @@ class Engine:
         """Record what the verifier committed; the drafter sees those positions' features next round."""
         if self.drafter is not None:
             if req.pending_parts is None:
-                req.pending_parts, req.pending_rows = [res.features], int(res.features.shape[0])
-                req.pending_start, req.pending_tokens = res.features_start, list(res.context_tokens)
+                req.pending_parts, req.pending_start = [res.features], res.features_start
+                req.pending_tokens = list(res.context_tokens)
             else:  # after the drafter's last round (or while it skips rounds: it catches up at its next draft)
                 req.pending_parts.append(res.features.clone())  # a step's rows, not a view of its whole batch
-                req.pending_rows += int(res.features.shape[0])
                 req.pending_tokens.extend(res.context_tokens)
         kept = self._emit(req, res.tokens, res.stopped, res.logprobs)
         events.setdefault(req.request_id, []).extend(kept)
@@ -698,9 +700,9 @@ class Engine:
         for r in reqs:
             # the drafter holds these now: none are sent again (a round that then commits nothing sends an empty
             # block at the anchor; what the next round commits is appended from there)
-            if r.pending_parts is not None:
-                r.pending_parts = [r.pending_parts[0][:0]]
-            r.pending_rows, r.pending_start, r.pending_tokens = 0, r.anchor_pos, []
+            if r.pending_parts is not None:  # an empty part of the features' width (the sent backlog is freed)
+                r.pending_parts = [r.pending_parts[0].new_empty((0, r.pending_parts[0].shape[1]))]
+            r.pending_start, r.pending_tokens = r.anchor_pos, []
         rec.proposals = proposals
         with rec.stage("schedule"):
             return self._schedule(reqs, proposals, rec, elapsed, catch_up)

@@ -94,13 +94,10 @@ def kernels_in_use(target) -> str | None:
     return build_id()
 
 
-def stale_kernels(table, target) -> str | None:
-    """Why `table` no longer describes `target`'s forward (None: it does, or it does not say): measured with
-    another build of our CPU kernels than the one running now."""
-    if table is None or table.kernels is None:
-        return None
-    now = kernels_in_use(target)
-    if now == table.kernels:
+def stale_kernels(table, now: str | None) -> str | None:
+    """Why `table` no longer describes a forward that runs kernel build `now` (`kernels_in_use(target)`; None: it
+    does, or the table does not say): measured with another build of our CPU kernels."""
+    if table is None or table.kernels is None or table.kernels == now:
         return None
     return f"measured with kernels {table.kernels}, running {now or 'none'}"
 

@@ -62,11 +62,12 @@ inline void value_tile(const float* v, int64_t vs, int64_t j0, int64_t j1, const
 
 // software prefetches of rows [j0, j1) of a [*, stride] float matrix, d floats a row
 constexpr int64_t kKeysAhead = 32;
-inline void prefetch_rows(const float* base, int64_t stride, int64_t j0, int64_t j1, int64_t d, int hint) {
+template <int Hint>
+inline void prefetch_rows(const float* base, int64_t stride, int64_t j0, int64_t j1, int64_t d) {
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t e = 0; e < d; e += 16) {
       const char* p = reinterpret_cast<const char*>(base + j * stride + e);
-      if (hint == _MM_HINT_T0) _mm_prefetch(p, _MM_HINT_T0); else _mm_prefetch(p, _MM_HINT_T1);
+      if constexpr (Hint == _MM_HINT_T0) _mm_prefetch(p, _MM_HINT_T0); else _mm_prefetch(p, _MM_HINT_T1);
     }
 }
 
@@ -107,11 +108,11 @@ void rows_group(const float* q, int64_t qr, int64_t qh, const float* k, int64_t 
   // scores: blocks of 16 keys, each scored for every (row, head) that sees all sixteen. The task's keys and values
   // are not in cache (a step streams every layer's weights between two reads of a layer's cache): each block asks
   // for the keys kKeysAhead further on and for its own values, which the weighted sums read after the softmax
-  prefetch_rows(k, ks, 0, std::min(kKeysAhead, maxlen), d, _MM_HINT_T0);
-  prefetch_rows(v, vs, maxlen / 16 * 16, maxlen, d, _MM_HINT_T1);  // the values of the keys past the last block
+  prefetch_rows<_MM_HINT_T0>(k, ks, 0, std::min(kKeysAhead, maxlen), d);
+  prefetch_rows<_MM_HINT_T1>(v, vs, maxlen / 16 * 16, maxlen, d);  // the values of the keys past the last block
   for (int64_t j = 0; j + 16 <= maxlen; j += 16) {
-    prefetch_rows(k, ks, j + kKeysAhead, std::min(j + kKeysAhead + 16, maxlen), d, _MM_HINT_T0);
-    prefetch_rows(v, vs, j, j + 16, d, _MM_HINT_T1);
+    prefetch_rows<_MM_HINT_T0>(k, ks, j + kKeysAhead, std::min(j + kKeysAhead + 16, maxlen), d);
+    prefetch_rows<_MM_HINT_T1>(v, vs, j, j + 16, d);
     for (int64_t i = 0; i < R; ++i) {
       if (j + 16 > len[i]) continue;
       for (int64_t g = 0; g < G; ++g) {

@@ -99,19 +99,17 @@ def startup_sps(target, target_dir: str, profile_budget_s: float, sps_file: str 
     fixed (the scheduler says so)."""
     import time
 
-    from dspark_core.profiling import stale_kernels
+    from dspark_core.profiling import kernels_in_use, stale_kernels
 
     table, path = load_sps(target_dir, path=sps_file or Path(target_dir) / SPS_FILE)
-    stale = stale_kernels(table, target)
-    if table is not None and (stale is None or profile_budget_s <= 0):
-        if stale is not None:
-            log.warning("cost table loaded, but it is stale and --sps-profile-seconds is 0: the online table "
-                        "will correct it from real passes", extra={"path": str(path), "stale": stale})
-        else:
-            log.info("cost table loaded", extra={"path": str(path)})
+    stale = stale_kernels(table, kernels_in_use(target))
+    if table is not None and stale is None:
+        log.info("cost table loaded", extra={"path": str(path)})
         return table
-    if stale is not None:
-        log.warning("cost table stale: measuring a quick one now (--sps-profile-seconds)", extra={"path": str(path), "stale": stale})
+    if table is not None and profile_budget_s <= 0:
+        log.warning("cost table stale and --sps-profile-seconds 0: served as is, the online table corrects it "
+                    "from real passes", extra={"path": str(path), "stale": stale})
+        return table
     if profile_budget_s <= 0:
         log.warning("no SPS cost table for this target and --sps-profile-seconds 0: cost-table policies "
                     "(causal, async) run as fixed", extra={"target": target_dir})
@@ -120,9 +118,9 @@ def startup_sps(target, target_dir: str, profile_budget_s: float, sps_file: str 
 
     t0 = time.perf_counter()
     table = quick_sps_table(target, budget_s=profile_budget_s)
-    log.warning(("a stale" if stale else "no") + " SPS cost table for this target: profiled a quick one at start-up "
-                "(run `dspark profile` on this hardware for the full table)",
-                extra={"target": target_dir, "seconds": round(time.perf_counter() - t0, 2),
+    log.warning(("a stale" if stale else "no") + " SPS cost table for this target: profiled a quick one at "
+                "start-up (run `dspark profile` on this hardware for the full table)",
+                extra={"target": target_dir, "stale": stale, "seconds": round(time.perf_counter() - t0, 2),
                        "batch_sizes": json.dumps(list(table.batch_sizes))})
     return table
 

@@ -144,7 +144,7 @@ def test_a_table_measured_with_other_kernels_is_measured_again(tmp_path, tiny_ta
     from dspark_cli.models_cmd import _quick_profile
     from dspark_core.cost_model import SpsTable
     from dspark_core.kernels import build_id
-    from dspark_core.profiling import stale_kernels
+    from dspark_core.profiling import kernels_in_use, stale_kernels
     from dspark_core.stack import load_target_runtime
 
     target = tmp_path / "target"
@@ -153,12 +153,13 @@ def test_a_table_measured_with_other_kernels_is_measured_again(tmp_path, tiny_ta
     fresh = SpsTable.load(target / "sps.json")
     assert fresh.kernels == build_id()  # None where our kernels do not run
     runtime = load_target_runtime(str(target))
-    assert stale_kernels(fresh, runtime) is None and stale_kernels(None, runtime) is None
-    assert stale_kernels(dataclasses.replace(fresh, kernels=None), runtime) is None  # an older table: unknown
+    now = kernels_in_use(runtime)
+    assert now == build_id() and stale_kernels(fresh, now) is None and stale_kernels(None, now) is None
+    assert stale_kernels(dataclasses.replace(fresh, kernels=None), now) is None  # an older table: unknown
     old = dataclasses.replace(fresh, kernels="cpu-avx512-000000000000", steps_per_second=(1.0,) * len(fresh.batch_sizes))
     old.save(target / "sps.json")
     assert SpsTable.load(target / "sps.json").kernels == "cpu-avx512-000000000000"  # the field round-trips
-    assert "cpu-avx512-000000000000" in stale_kernels(old, runtime)
+    assert "cpu-avx512-000000000000" in stale_kernels(old, now)
     assert _quick_profile(target, 2.0) == 0
     assert "stale" in capsys.readouterr().out
     again = SpsTable.load(target / "sps.json")
