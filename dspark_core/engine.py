@@ -33,7 +33,7 @@ import torch
 
 from . import scheduling
 from .cost_model import OnlineSpsTable, SpsTable, sps_callable
-from .drafters.base import DraftProcessing, Proposal, ProposeItem
+from .drafters.base import DraftProcessing, Proposal, ProposeItem, context_dtype
 from .errors import InvalidArgument, NotFound, ResourceExhausted
 from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord
 from .sampling import SamplingParams, TokenHistory, TokenLogprob, make_generator
@@ -321,6 +321,8 @@ class Engine:
         """
         self.target, self.drafter, self.config = target, drafter, config
         self.verifier = verifier if verifier is not None else Verifier(target, isolate_seeded=config.isolate_seeded)
+        # the precision the drafter reads context features in (None: as they come; a remote drafter's pods decide)
+        self._feature_dtype = context_dtype(getattr(drafter, "config", None))
         self.sps = sps
         self.observer = observer
         self.block_size = 0
@@ -592,11 +594,17 @@ class Engine:
     def _commit(self, req: RequestState, res: StepResult, events: dict[str, list[int]]) -> None:
         """Record what the verifier committed; the drafter sees those positions' features next round."""
         if self.drafter is not None:
+            feats = res.features
+            if self._feature_dtype is not None and feats.dtype != self._feature_dtype:
+                # kept as the drafter will read them (it rounds them to its training precision): half the memory
+                # of float32 while a gated request's backlog waits
+                feats = feats.to(self._feature_dtype)
             if req.pending_parts is None:
-                req.pending_parts, req.pending_start = [res.features], res.features_start
+                req.pending_parts, req.pending_start = [feats], res.features_start
                 req.pending_tokens = list(res.context_tokens)
             else:  # after the drafter's last round (or while it skips rounds: it catches up at its next draft)
-                req.pending_parts.append(res.features.clone())  # a step's rows, not a view of its whole batch
+                # a step's rows, not a view of its whole batch
+                req.pending_parts.append(feats if feats is not res.features else feats.clone())
                 req.pending_tokens.extend(res.context_tokens)
         kept = self._emit(req, res.tokens, res.stopped, res.logprobs)
         events.setdefault(req.request_id, []).extend(kept)

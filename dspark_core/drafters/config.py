@@ -52,7 +52,10 @@ _OWNED_KEYS = frozenset({
     "block_size", "mask_token_id", "num_anchors", "markov_rank", "markov_head_type",
     "enable_confidence_head", "confidence_head_with_markov", "greedy_confidence_head", "ttt_length", "step_loss_decay",
     "draft_num_hidden_layers", "calibration", "draft_vocab_size", "target_tensors", "draft_support_size",
+    "context_feature_dtype",
 })
+# dtypes a drafter's context features may be rounded to (`context_feature_dtype`)
+CONTEXT_FEATURE_DTYPES = ("bfloat16", "float16", "float32")
 # `target_tensors` value of a checkpoint that stores only its own tensors and takes `embed_tokens.weight` and
 # `lm_head.weight` (its rows `draft_vocab_ids` with a draft vocabulary) from the target it runs beside
 TARGET_TENSORS_REFERENCED = "referenced"
@@ -119,6 +122,11 @@ class DrafterConfig:
     draft_support_size: int = 0
     # our extension: TARGET_TENSORS_REFERENCED = embedding and LM head are not in the file but the target's
     target_tensors: str | None = None
+    # our extension: the precision of the target features it was trained on (the training cache's dtype; `dspark
+    # train` records it). Its context features are rounded to it before use, so a float32 target's features reach it
+    # as in training, and a verifier pod may send them in it (half the bytes of float32) with the same drafts as
+    # the embedded engine. None = used as they come
+    context_feature_dtype: str | None = None
     # Eagle3
     ttt_length: int | None = None
     step_loss_decay: float | None = None
@@ -181,6 +189,9 @@ class DrafterConfig:
                                       f"must be {self.gamma} weights (one per draft slot)")
         _require_int("draft_vocab_size", self.draft_vocab_size, low=0, high=self.vocab_size)
         _require_int("draft_support_size", self.draft_support_size, low=0, high=self.vocab_size)
+        if self.context_feature_dtype is not None and self.context_feature_dtype not in CONTEXT_FEATURE_DTYPES:
+            raise InvalidArgument("context_feature_dtype", self.context_feature_dtype,
+                                  f"must be one of {', '.join(CONTEXT_FEATURE_DTYPES)} or absent")
         if self.target_tensors not in (None, TARGET_TENSORS_REFERENCED):
             raise InvalidArgument("target_tensors", self.target_tensors,
                                   f"must be {TARGET_TENSORS_REFERENCED!r} or absent (the file holds them)")
@@ -359,6 +370,7 @@ class DrafterConfig:
             draft_vocab_size=d.get("draft_vocab_size", 0),
             draft_support_size=d.get("draft_support_size", 0),
             target_tensors=d.get("target_tensors"),
+            context_feature_dtype=d.get("context_feature_dtype"),
             calibration_temperatures=None if calib is None else parse_calibration(calib),
             calibration_temperatures_greedy=None if calib is None else parse_greedy_calibration(calib),
             calibration_biases=None if calib is None else parse_calibration_biases(calib),
@@ -408,6 +420,8 @@ class DrafterConfig:
             optional["draft_support_size"] = self.draft_support_size
         if self.target_tensors:
             optional["target_tensors"] = self.target_tensors
+        if self.context_feature_dtype:
+            optional["context_feature_dtype"] = self.context_feature_dtype
         if self.calibration_temperatures is not None:
             block = {"method": "platt" if self.calibration_biases else "sts",
                      "temperatures": list(self.calibration_temperatures)}

@@ -30,7 +30,7 @@ from torch import nn
 
 from dspark_core.drafters.backbone import register_draft_vocab
 from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_coupling, draw_uniforms,
-                                      validate_items)
+                                      trained_features, validate_items)
 from dspark_core.drafters.config import ARCH_EAGLE3, DrafterConfig
 from dspark_core.drafters.dspark import _check_support_size
 from dspark_core.drafters.kv_cache import KVCache, pad_caches
@@ -273,7 +273,8 @@ class Eagle3Drafter(LocalStates, nn.Module):
         # feature p pairs with the token at p + 1: the committed tokens shifted left, then the anchor
         tokens = [[int(t) for t in it.new_tokens[1:]] + [int(it.anchor)] if len(it.new_tokens) else []
                   for it in items]
-        self.extend([it.state for it in items], [it.new_features for it in items], tokens,
+        self.extend([it.state for it in items],
+                    [trained_features(it.new_features, self.config.context_feature_dtype) for it in items], tokens,
                     [it.new_positions_start for it in items])
         dev = self._device
         positions = torch.tensor([it.anchor_pos for it in items], dtype=torch.long, device=dev)

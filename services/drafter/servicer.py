@@ -227,9 +227,10 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                     job.processing = draft_processing_from_proto(it.processing, vocab, job.anchor_pos,
                                                                  f"{f}.processing")
                 if it.HasField("context_features"):
+                    # in the dtype they came in: the drafter rounds them to its training precision and casts
+                    # them for its matmuls (a bf16 wire tensor is not widened to float32 here only to be rounded)
                     job.features = features_from_proto(it.context_features, f"{f}.context_features",
-                                                       self.num_layers, self.hidden).to(
-                        device=self.param_device, dtype=self.param_dtype)
+                                                       self.num_layers, self.hidden).to(device=self.param_device)
                 else:
                     job.start = job.anchor_pos
             except InvalidArgument as exc:

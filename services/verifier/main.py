@@ -28,10 +28,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from .servicer import FEATURE_DTYPES
 
     p.add_argument("--feature-dtype", default=flags.env("FEATURE_DTYPE", "auto"), choices=FEATURE_DTYPES,
-                   help="dtype the context features travel in to the drafters: auto = the target's own (a drafter pod "
-                        "then drafts exactly what the embedded engine drafts); bfloat16 halves a float32 target's "
-                        "feature bytes (drafts may differ in the last bits, outputs do not: verification never reads "
-                        "features; measured at c = 32: propose transport 28 -> 18 ms a step). Default auto")
+                   help="dtype the context features travel in to the drafters: auto = the --drafter-path drafter's "
+                        "context_feature_dtype (the precision it was trained on, e.g. bfloat16) where narrower than the "
+                        "target's, else the target's own: a drafter pod then drafts exactly what the embedded engine "
+                        "drafts; bfloat16 halves a float32 target's feature bytes for any drafter (drafts may then "
+                        "differ in the last bits, outputs do not: verification never reads features). Default auto")
     flags.add_sps_profile(p)
     g = p.add_argument_group("drafter beside the verifier (one process, one GPU)")
     g.add_argument("--drafter-port", type=int, default=flags.env("DRAFTER_PORT"),

@@ -92,6 +92,17 @@ def resolve_taps(cfg: VerifierConfig) -> tuple[int, ...]:
     return ()
 
 
+def drafter_feature_dtype(cfg: VerifierConfig):
+    """The torch dtype `cfg.drafter_path`'s drafter reads context features in (its `context_feature_dtype`), or
+    None (no drafter named, or one that takes them as they come)."""
+    if not cfg.drafter_path:
+        return None
+    from dspark_core.drafters.base import context_dtype
+    from dspark_core.drafters.config import load_config
+
+    return context_dtype(load_config(Path(cfg.drafter_path)))
+
+
 def startup_sps(target, target_dir: str, profile_budget_s: float, sps_file: str | None = None):
     """The target's cost table for serving: its profiled sps.json (`sps_file`, which the entry point finds with
     `flags.find_generated`, else beside the target), else, unless `profile_budget_s` is 0, a quick table
@@ -134,7 +145,8 @@ class VerifierApp(PodLifecycle):
         self._init_pod("verifier", config, SERVICE_NAME, config.verifier_id,
                        lambda pod_id, ex: VerifierServicer(pod_id, ex, config.max_active, config.coalesce_wait_s,
                                                            config.max_per_caller, wait_alone=config.coalesce_wait_alone,
-                                                           feature_dtype=config.feature_dtype),
+                                                           feature_dtype=config.feature_dtype,
+                                                           drafter_feature_dtype=drafter_feature_dtype(config)),
                        verifier_service_pb2_grpc.add_VerifierServiceServicer_to_server,
                        max_receive_bytes=MAX_REQUEST_BYTES)  # it sends features, never receives them
 

@@ -56,26 +56,33 @@ def _item_error(exc: Exception) -> _ItemError:
 FEATURE_DTYPES = ("auto", "float32", "bfloat16")
 
 
-def wire_feature_dtype(name: str, target_dtype=None):
-    """The dtype context features travel in for --feature-dtype `name` and a target computing in `target_dtype`
-    ("auto": that one; None while the target is not known)."""
+def wire_feature_dtype(name: str, target_dtype=None, drafter_dtype=None):
+    """The dtype context features travel in for --feature-dtype `name`, a target computing in `target_dtype` and
+    a drafter that reads them in `drafter_dtype` (its `context_feature_dtype`; None: as they come). "auto": the
+    drafter's when it is narrower than the target's (the drafter rounds them to it anyway, so its drafts are
+    the embedded engine's, for fewer bytes), else the target's; None while the target is not known."""
     import torch
 
     if name not in FEATURE_DTYPES:
         raise InvalidArgument("feature_dtype", name, f"must be one of {', '.join(FEATURE_DTYPES)}")
-    return target_dtype if name == "auto" else getattr(torch, name)
+    if name != "auto":
+        return getattr(torch, name)
+    if target_dtype is not None and drafter_dtype is not None and drafter_dtype.itemsize < target_dtype.itemsize:
+        return drafter_dtype
+    return target_dtype
 
 
 class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
     def __init__(self, verifier_id: str, executor: Executor, max_active: int = 256, coalesce_wait_s: float = 0.002,
                  max_per_caller: int | None = None, evict_idle_s: float = 10.0, wait_alone: bool = False,
-                 feature_dtype: str = "auto"):
+                 feature_dtype: str = "auto", drafter_feature_dtype=None):
         self.verifier: Verifier | None = None
-        # the dtype the context features travel in (checked now; "auto", the target's own, is known at attach: a
-        # drafter pod then drafts exactly what the embedded engine drafts). They only feed the drafters, which take
-        # them in their own precision (int8 blocks on our CPU kernels), never the verification: bfloat16 halves a
-        # float32 target's feature bytes
+        # the dtype the context features travel in (checked now; "auto" is known at attach: the drafter's
+        # `context_feature_dtype` where narrower than the target's own, else the target's; either way a drafter pod
+        # drafts exactly what the embedded engine drafts). They only feed the drafters, never the verification:
+        # bfloat16 halves a float32 target's feature bytes
         self.feature_dtype = wire_feature_dtype(feature_dtype)
+        self._feature_dtype_name, self._drafter_feature_dtype = feature_dtype, drafter_feature_dtype
         self.target: TargetRuntime | None = None
         self.verifier_id, self.executor, self.max_active = verifier_id, executor, max_active
         self.num_layers = 0
@@ -92,7 +99,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         """Called once the model is loaded and warm; until then every RPC is UNAVAILABLE."""
         self.verifier, self.target = verifier, target
         self.num_layers = len(target.config.tap_layer_ids)
-        self.feature_dtype = self.feature_dtype or target.dtype
+        self.feature_dtype = wire_feature_dtype(self._feature_dtype_name, target.dtype, self._drafter_feature_dtype)
         self.sps_points = [list(p) for p in sps_points]
         metrics.ACTIVE_STATES.labels(service=_S).set(verifier.num_active)  # present (0) before any request
         if self.sps_points:

@@ -105,8 +105,10 @@ def test_trained_drafter_records_its_target_and_loads_beside_it(tiny_target_dir,
     assert main(["train", "--kind", "dspark", "--target", str(tiny_target_dir), "--data", str(data),
                  "--out", str(out), "--steps", "2", "--global-batch", "2", "--max-new-tokens", "8",
                  "--no-progress", "--eval-fraction", "0.2"]) == 0
-    record = json.loads((out / "final" / "config.json").read_text())["dspark_target"]
+    config = json.loads((out / "final" / "config.json").read_text())
+    record = config["dspark_target"]
     assert record["name"] == tiny_target_dir.name and record["vocab_size"] > 0
+    assert config["context_feature_dtype"] == "bfloat16"  # the cache's (default) precision: it reads them so
     assert record["hidden_size"] == 64 and record["num_hidden_layers"] == 4
     assert len(record["embedding_fingerprint"]) == 16
     capsys.readouterr()

@@ -134,3 +134,36 @@ def test_a_gated_stretch_reaches_the_drafter_whole_and_in_order(stack):
             if start > 0:
                 backlog = max(backlog, rows)
     assert backlog > drafter.block_size + 1  # some call carried a gated stretch of several steps
+
+
+def test_a_gated_backlog_waits_in_the_precision_the_drafter_reads(tmp_path):
+    """A drafter trained on bf16 features (`context_feature_dtype`): the engine keeps a gated request's backlog in
+    bf16 (half the memory of float32 while it waits), the drafter gets it so, and the output is the target's."""
+    import json
+    import shutil
+
+    import torch
+
+    from dspark_cli.models import load_stack
+
+    d = tmp_path / "dspark-bf16"
+    shutil.copytree(REPO / "models" / "dspark", d)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "context_feature_dtype": "bfloat16"}))
+    target, drafter = load_stack(str(REPO / "models" / "target"), str(d), "cpu", "float32")
+    engine = Engine(target, drafter, EngineConfig(policy="causal", draft_gate_min=2, draft_gate_max=8), sps=STEEP)
+    ar = Engine(target, None, EngineConfig(policy="ar"))
+    params = SamplingParams(temperature=0.0, max_new_tokens=48)
+    prompts = [target.tokenizer.encode(t, add_special_tokens=False) for t in PROMPTS]
+    ids = [engine.add_request(p, params) for p in prompts]
+    ar_ids = [ar.add_request(p, params) for p in prompts]
+    dtypes = set()
+    propose = drafter.propose
+    drafter.propose = lambda items: dtypes.update(it.new_features.dtype for it in items) or propose(items)
+    try:
+        engine.run()
+    finally:
+        del drafter.propose
+    ar.run()
+    assert engine.num_gated_drafts > 0 and dtypes == {torch.bfloat16}
+    assert [engine.pop(r).output_ids for r in ids] == [ar.pop(r).output_ids for r in ar_ids]

@@ -197,3 +197,35 @@ def test_a_drafters_config_sets_its_sampled_support_and_a_caller_may_override_it
     for bad in (-1, cfg.vocab_size + 1, 2.5):
         with pytest.raises(InvalidArgument, match="draft_support_size"):
             dataclasses.replace(cfg, draft_support_size=bad)
+
+
+@pytest.mark.parametrize("name", ["dspark", "eagle3"])
+def test_context_feature_dtype_rounds_the_features_as_training_saw_them(name, fixtures_dir, reference, tmp_path):
+    """A drafter trained on a bf16 target cache (`context_feature_dtype`) drafts the same from float32 features as
+    from the bf16 ones a verifier pod sends (the rounding is its own), and differently from the same checkpoint
+    reading them unrounded: the field is what decides."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(fixtures_dir / name / "model.safetensors", ckpt)
+    raw = json.loads((fixtures_dir / name / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**raw, "context_feature_dtype": "bfloat16"}))
+    assert load_config(ckpt).to_dict()["context_feature_dtype"] == "bfloat16"  # round-trips
+    assert "context_feature_dtype" not in load_config(fixtures_dir / name).to_dict()  # absent stays absent
+    ref = reference(name)
+    # features with more bits than bf16 keeps: rounding them moves the drafter's inputs
+    noisy = ref.t(0, "context_features") * 1.001 + 1e-3
+
+    def draft(path, feats):  # sampled, seeded: the support probabilities show every input bit that matters
+        d = load_drafter(path)
+        (p,) = d.propose([dataclasses.replace(_item(d, ref), new_features=feats, temperature=1.0,
+                                              generator=torch.Generator().manual_seed(5))])
+        return p.tokens, p.support_probs.tolist()
+
+    rounded = draft(ckpt, noisy)
+    assert rounded == draft(ckpt, noisy.to(torch.bfloat16))  # bf16 on the wire: the same drafts
+    assert rounded == draft(fixtures_dir / name, noisy.to(torch.bfloat16).float())  # what it computes
+    assert rounded != draft(fixtures_dir / name, noisy)  # unrounded: other numbers
+    cfg = load_config(fixtures_dir / name)
+    for bad in ("int8", "fp32", 16):
+        with pytest.raises(InvalidArgument, match="context_feature_dtype"):
+            dataclasses.replace(cfg, context_feature_dtype=bad)
