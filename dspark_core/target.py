@@ -463,6 +463,15 @@ class TargetRuntime:
     def num_active(self) -> int:
         return len(self._sequences)
 
+    def batch_invariant(self, q: int) -> bool:
+        """Whether a pass of up to `q` new tokens a sequence computes every sequence's logits and taps bitwise as a
+        pass of that sequence alone, whatever else shares it: packed (row-invariant) matmuls, the LM head's too,
+        and attention row by row over each row's own keys, on the CPU."""
+        from .packed_weights import row_invariant
+
+        return (self._lean is not None and self._lean.attends_by_row(q) and row_invariant(self._lm_mm)
+                and self.device.type == "cpu")
+
     @property
     def prefills_alone(self) -> bool:
         """Whether prompts prefill faster one per pass than batched, with the same result either way: on the CPU

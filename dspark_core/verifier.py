@@ -178,13 +178,16 @@ class Verifier:
     def _forward(self, batch: list, params: list[SamplingParams], each_alone: bool = False, **kw
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """target.forward over [(sequence, tokens)] -> [(logits, taps)] per entry, except that each seeded
-        sampled request runs in a pass of its own: a batched forward rounds differently with the batch's
-        shape, and a seeded request's logits and features (which its drafts come from) must not depend on
-        what else runs. Unseeded and greedy requests share one pass (and, without `isolate_seeded`, all).
-        `each_alone`: every entry in a pass of its own (prompts, where the target prefills faster that way)."""
+        sampled request runs in a pass of its own where a batched forward rounds differently with the batch's
+        shape (dense matmuls): a seeded request's logits and features (which its drafts come from) must not
+        depend on what else runs. Where the target's passes are batch-invariant (packed weights on the CPU)
+        they share the pass with the same bits. Unseeded and greedy requests share one pass (and, without
+        `isolate_seeded`, all). `each_alone`: every entry in a pass of its own (prompts, where the target
+        prefills faster that way)."""
+        batch_invariant = getattr(self.target, "batch_invariant", None)
         if each_alone:
             alone = list(range(len(batch)))
-        elif self.isolate_seeded:
+        elif self.isolate_seeded and not (batch_invariant and batch_invariant(max(len(t) for _, t in batch))):
             alone = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         else:
             alone = []

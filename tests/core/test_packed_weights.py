@@ -362,6 +362,35 @@ def test_the_verifier_prefills_each_prompt_alone_on_packed_weights_with_the_batc
             assert torch.equal(res.features, taps) and res.tokens == [int(logits[-1].argmax())], (weights, p)
 
 
+def test_seeded_sampled_requests_share_passes_where_passes_are_batch_invariant(tiny_gguf_dir, tiny_llama_dir):
+    """A seeded sampled request must decode the same whatever runs beside it. Dense weights get that by a pass of
+    its own each step; packed weights on the CPU compute each row as alone, so there seeded requests share the
+    pass (c seeded users: one pass a step, not c) and still decode exactly what they decode alone."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=12) for s in (11, 12, 13)]
+
+    def run(target, which):
+        calls = []
+        forward = target.forward
+        target.forward = lambda batch, **kw: calls.append((len(batch), kw.get("last_logits_only", False))) or \
+            forward(batch, **kw)
+        try:
+            engine = Engine(target, None, EngineConfig(policy="ar"))
+            ids = [engine.add_request(PROMPTS[i], params[i]) for i in which]
+            engine.run()
+            return [engine.pop(r).output_ids for r in ids], calls
+        finally:
+            del target.forward
+
+    for path, weights, shared in ((tiny_gguf_dir, "gguf", True), (tiny_llama_dir, "float32", False)):
+        target = _target(path, weights)
+        assert target.batch_invariant(8) == shared
+        alone = [run(target, [i])[0][0] for i in range(3)]
+        together, calls = run(target, [0, 1, 2])
+        assert together == alone and all(len(a) == 12 for a in alone), weights
+        steps = [n for n, prefill in calls if not prefill]
+        assert max(steps) == (3 if shared else 1), (weights, steps)
+
+
 @pytest.mark.parametrize("weights,tolerance", [("bfloat16", 0.02), ("int8", 0.03), ("int4", 0.3)])
 def test_logits_close_to_float32(tiny_llama_dir, weights, tolerance):
     ref, packed = _target(tiny_llama_dir, "float32"), _target(tiny_llama_dir, weights)
