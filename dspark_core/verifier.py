@@ -184,10 +184,11 @@ class Verifier:
         they share the pass with the same bits. Unseeded and greedy requests share one pass (and, without
         `isolate_seeded`, all). `each_alone`: every entry in a pass of its own (prompts, where the target
         prefills faster that way)."""
-        batch_invariant = getattr(self.target, "batch_invariant", None)
+        invariant = getattr(self.target, "batch_invariant", None)
+        shared = invariant is not None and invariant(max((len(t) for _, t in batch), default=1))
         if each_alone:
             alone = list(range(len(batch)))
-        elif self.isolate_seeded and not (batch_invariant and batch_invariant(max(len(t) for _, t in batch))):
+        elif self.isolate_seeded and not shared:
             alone = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         else:
             alone = []
