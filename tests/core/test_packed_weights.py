@@ -381,9 +381,23 @@ def test_seeded_sampled_requests_share_passes_where_passes_are_batch_invariant(t
         finally:
             del target.forward
 
-    for path, weights, shared in ((tiny_gguf_dir, "gguf", True), (tiny_llama_dir, "float32", False)):
+    for path, weights, shared in ((tiny_gguf_dir, "gguf", True), (tiny_llama_dir, "int8", True),
+                                  (tiny_llama_dir, "int4", True), (tiny_llama_dir, "float32", False)):
         target = _target(path, weights)
         assert target.batch_invariant(8) == shared
+        if shared:  # the premise, bitwise: a 3-token pass of one sequence alone and beside two others
+            seqs = [target.new_sequence() for _ in range(3)]
+            for s, p in zip(seqs, PROMPTS):
+                target.forward([(s, p)])
+            before = [s.length for s in seqs]
+            lone = target.forward([(seqs[0], [4, 5, 6])])
+            want = (lone.logits_of(0).clone(), lone.taps_of(0).clone())
+            for s, n in zip(seqs, before):
+                target.truncate(s, n)
+            beside = target.forward([(seqs[0], [4, 5, 6]), (seqs[1], [7]), (seqs[2], [8, 9])])
+            assert torch.equal(beside.logits_of(0), want[0]) and torch.equal(beside.taps_of(0), want[1]), weights
+            for s in seqs:
+                target.release(s)
         alone = [run(target, [i])[0][0] for i in range(3)]
         together, calls = run(target, [0, 1, 2])
         assert together == alone and all(len(a) == 12 for a in alone), weights
