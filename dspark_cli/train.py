@@ -305,9 +305,9 @@ def run(args) -> int:
             init_from_checkpoint(drafter, cfg.init_from)
             say(f"initialised from {cfg.init_from}")
         cache_dtypes = {c.manifest.dtype for c in caches}
-        if len(cache_dtypes) == 1 and next(iter(cache_dtypes)) != "float32":
+        if len(cache_dtypes) == 1 and (cache_dtype := cache_dtypes.pop()) != "float32":
             # it learns from features at the cache's precision: it reads them at that precision when serving too
-            drafter.config = dataclasses.replace(drafter.config, context_feature_dtype=next(iter(cache_dtypes)))
+            drafter.config = dataclasses.replace(drafter.config, context_feature_dtype=cache_dtype)
         del target
         gc.collect()
         data_info = {"prompt_files": [str(f) for f in args.data or ()], "train_prompts": len(train_prompts),

@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache
 
 from .errors import InvalidArgument, KVCacheFull, ModelLoadError, ResourceExhausted
 from .fast_decoder import LeanDecoder
-from .packed_weights import WEIGHT_FORMATS, DenseLinear, PackedLinear
+from .packed_weights import WEIGHT_FORMATS, DenseLinear, PackedLinear, row_invariant
 
 _log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -467,8 +467,6 @@ class TargetRuntime:
         """Whether a pass of up to `q` new tokens a sequence computes every sequence's logits and taps bitwise as a
         pass of that sequence alone, whatever else shares it: packed (row-invariant) matmuls, the LM head's too,
         and attention row by row over each row's own keys, on the CPU."""
-        from .packed_weights import row_invariant
-
         return (self._lean is not None and self._lean.attends_by_row(q) and row_invariant(self._lm_mm)
                 and self.device.type == "cpu")
 

@@ -184,14 +184,14 @@ class Verifier:
         they share the pass with the same bits. Unseeded and greedy requests share one pass (and, without
         `isolate_seeded`, all). `each_alone`: every entry in a pass of its own (prompts, where the target
         prefills faster that way)."""
-        invariant = getattr(self.target, "batch_invariant", None)
-        shared = invariant is not None and invariant(max((len(t) for _, t in batch), default=1))
         if each_alone:
             alone = list(range(len(batch)))
-        elif self.isolate_seeded and not shared:
-            alone = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         else:
-            alone = []
+            alone = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy] \
+                if self.isolate_seeded else []
+            invariant = getattr(self.target, "batch_invariant", None)
+            if alone and invariant is not None and invariant(max(len(t) for _, t in batch)):
+                alone = []
         solo = set(alone)
         rest = [i for i in range(len(batch)) if i not in solo]
         out: list = [None] * len(batch)

@@ -128,20 +128,18 @@ class LocalStates:
         return None
 
 
-def trained_features(features: torch.Tensor, dtype_name: str | None) -> torch.Tensor:
-    """Context features rounded to the precision the drafter was trained on (`context_feature_dtype`; None: as
-    they come). Rounding is idempotent, so features already in it (from a verifier pod that sends them so, or
-    from the engine, which keeps them so) give the same drafts as the float32 ones they were rounded from."""
-    if dtype_name is None:
-        return features
-    dtype = getattr(torch, dtype_name)
-    return features if features.dtype == dtype else features.to(dtype)
-
-
 def context_dtype(config) -> "torch.dtype | None":
     """The torch dtype of a drafter config's `context_feature_dtype` (None when it has none)."""
     name = getattr(config, "context_feature_dtype", None)
     return getattr(torch, name) if name else None
+
+
+def trained_features(features: torch.Tensor, config) -> torch.Tensor:
+    """Context features rounded to the precision the drafter of `config` was trained on (`context_feature_dtype`;
+    none: as they come). Rounding is idempotent, so features already in it (from a verifier pod that sends them
+    so, or from the engine, which keeps them so) give the same drafts as the float32 ones they were rounded from."""
+    dtype = context_dtype(config)
+    return features if dtype is None or features.dtype == dtype else features.to(dtype)
 
 
 def validate_items(items: list[ProposeItem], state_type: type, feature_size: int, vocab_size: int) -> None:

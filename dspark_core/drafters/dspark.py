@@ -174,8 +174,8 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
         """Extend every request's context, then draft one block per request (batched)."""
         validate_items(items, DSparkState, self.config.feature_size, self.config.vocab_size)
         caches = [it.state.cache for it in items]
-        self.extend_contexts(caches, [trained_features(it.new_features, self.config.context_feature_dtype)
-                                      for it in items], [it.new_positions_start for it in items])
+        self.extend_contexts(caches, [trained_features(it.new_features, self.config) for it in items],
+                             [it.new_positions_start for it in items])
         dev = self._device
         anchors = torch.tensor([it.anchor for it in items], dtype=torch.long, device=dev)  # [B]
         positions = torch.tensor([it.anchor_pos for it in items], dtype=torch.long, device=dev)  # [B]

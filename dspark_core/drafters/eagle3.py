@@ -273,9 +273,8 @@ class Eagle3Drafter(LocalStates, nn.Module):
         # feature p pairs with the token at p + 1: the committed tokens shifted left, then the anchor
         tokens = [[int(t) for t in it.new_tokens[1:]] + [int(it.anchor)] if len(it.new_tokens) else []
                   for it in items]
-        self.extend([it.state for it in items],
-                    [trained_features(it.new_features, self.config.context_feature_dtype) for it in items], tokens,
-                    [it.new_positions_start for it in items])
+        self.extend([it.state for it in items], [trained_features(it.new_features, self.config) for it in items],
+                    tokens, [it.new_positions_start for it in items])
         dev = self._device
         positions = torch.tensor([it.anchor_pos for it in items], dtype=torch.long, device=dev)
         temperatures = torch.tensor([float(it.temperature) for it in items], dtype=torch.float32, device=dev)
