@@ -10,6 +10,10 @@ steps; the integer kernel loads a weight block once for 4 rows and multiplies 64
 row count but ~1.6x slower at one row and quantizes activations per tensor (not batch-invariant);
 `torch._int_mm` re-packs the weight on every call.
 
+On Intel CPUs with AMX the AVX512 build also has a tile path for products of 8 rows or more (prefill, batched
+verify passes): the same exact integer sums and the same float32 operations per row, so the same bits
+(q8dot.cpp; docs/results/weights/README.md, "Intel AMX"). `DSPARK_AMX=0` builds without it.
+
 Built on first use into `$DSPARK_HOME/kernels` (default ~/.cache/dspark/kernels; `make setup` builds it), keyed
 by the source's hash and the instruction set. Built for AVX512-VNNI where the CPU has it, else for AVX2 + FMA +
 F16C (`DSPARK_KERNEL_ISA=avx2` forces the AVX2 build, for tests); `DSPARK_Q8DOT=0` turns the kernels off (then
@@ -34,6 +38,9 @@ _ISAS = (
      ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]),
     ("avx2", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 )
+# The AVX512 build also carries the AMX tile path of the block-quantized matmuls where the CPU has Intel's tile unit
+# (q8dot.cpp; the same outputs bit for bit, from 2 rows on); DSPARK_AMX=0 builds without it.
+_AMX_FLAGS = {"amx_tile", "amx_int8"}
 _state: dict[str, object] = {}
 BLOCK = 32
 
@@ -57,15 +64,21 @@ def isa() -> tuple[str, list[str]] | str:
     for name, needs, cflags in candidates:
         missing = [f for f in needs if f not in flags]
         if not missing:
+            if name == "avx512" and _AMX_FLAGS <= flags and os.environ.get("DSPARK_AMX", "1") != "0":
+                cflags = cflags + ["-mamx-tile", "-mamx-int8"]
             return name, cflags
     return f"the CPU lacks {', '.join(missing)} (for {name})"
 
 
 def build_dir(name: str) -> Path:
-    """Where the kernels for instruction set `name` are built."""
+    """Where the kernels for instruction set `name` are built (keyed by the sources, torch's version and, for the
+    instruction set chosen here, its compiler flags: a build with the AMX path is another build)."""
     home = Path(os.environ.get("DSPARK_HOME", Path.home() / ".cache" / "dspark"))
     parts = _SOURCES + [Path(__file__).with_name("vec_math.h")]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + torch.__version__.encode()).hexdigest()
+    chosen = isa()
+    flags = " ".join(chosen[1]) if not isinstance(chosen, str) and chosen[0] == name else ""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + torch.__version__.encode()
+                            + flags.encode()).hexdigest()
     return home / "kernels" / f"cpu-{name}-{digest[:12]}"
 
 
@@ -96,6 +109,12 @@ def build_id() -> str | None:
 def loaded() -> bool:
     """Whether the kernels are loaded in this process already (never builds or loads them)."""
     return "why" in _state and _state["why"] is None
+
+
+def amx_rows(rows: int) -> bool:
+    """Whether the block-quantized matmuls of `rows` rows run on the AMX tile unit here (False where the kernels do
+    not run, were built without it, or Linux does not grant it)."""
+    return q8dot_unavailable() is None and bool(torch.ops.dspark_cpu.q8dot_amx(int(rows)))
 
 
 def kernel_isa() -> str | None:

@@ -23,9 +23,16 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DSPARK_AMX 1
+#endif
 
 namespace {
 
@@ -190,6 +197,182 @@ inline void q8_tile(const uint8_t* tile, const int8_t* xu, const float* s, int64
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
 }
 
+
+#if defined(DSPARK_AMX)
+// AMX (Intel's tile unit): one block's integer sums for up to 16 rows x one tile of 16 columns in one instruction
+// (TDPBSUD for Q4: signed activations x unsigned codes; TDPBUSD for Q8: the offset activations x signed codes), the
+// same exact int32 sums as the vpdpbusd chains above, then the same float32 operations per row in the same order,
+// so a row's output is bitwise what the VNNI kernels give (and batch-invariant as theirs). The B tile's layout (8
+// rows of 16 columns x 4 inputs) is the packed layout itself: Q8 loads it in place, Q4 unpacks the nibbles into it.
+constexpr int kAmxRows = 16;
+
+struct TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux grants a process the tile state on request (once); false where the kernel or the CPU refuses.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+inline void amx_configure(int rows) {
+  TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int i = 0; i < 2; ++i) {
+    c.rows[i] = static_cast<uint8_t>(rows);  // C: rows x 16 int32
+    c.colsb[i] = 64;
+    c.rows[2 + i] = static_cast<uint8_t>(rows);  // A: rows x one block's 32 bytes
+    c.colsb[2 + i] = kBlock;
+    c.rows[4 + i] = 8;  // B: 8 x (16 columns x 4 inputs)
+    c.colsb[4 + i] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// The float32 part of one block for rows [m0, m0 + R): the VNNI kernels' operations, in their order.
+template <int R>
+inline void q4_epilogue(__m512* acc, const int32_t* sums, const uint8_t* cb, const float* s, const float* ssum,
+                        int64_t G, int64_t m0, int64_t g) {
+  const __m512 dv = load_half16(reinterpret_cast<const at::Half*>(cb + 256));
+  const __m512 ov = load_half16(reinterpret_cast<const at::Half*>(cb + 288));
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(s[m * G + g]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r)), ds, acc[r]);
+    acc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(ssum[m * G + g]), acc[r]);
+  }
+}
+
+template <int R>
+inline void q8_epilogue(__m512* acc, const int32_t* sums, const uint8_t* cb, const float* s, int64_t G, int64_t m0,
+                        int64_t g) {
+  const __m512 dv = load_half16(reinterpret_cast<const at::Half*>(cb + 512));
+  const __m512i corr = _mm512_slli_epi32(
+      _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 544))), 7);
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    const __m512i isum = _mm512_sub_epi32(_mm512_load_si512(sums + 16 * r), corr);
+    const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(s[m * G + g]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc[r]);
+  }
+}
+
+inline void unpack_q4(const uint8_t* cb, uint8_t* wb) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int v = 0; v < 4; ++v) {  // vector 2v: inputs 8v..8v+3, 2v+1: 8v+4..8v+7 (B's rows in order)
+    __m512i packed = _mm512_loadu_si512(cb + 64 * v);
+    _mm512_store_si512(wb + 128 * v, _mm512_and_si512(packed, mask));
+    _mm512_store_si512(wb + 128 * v + 64, _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask));
+  }
+}
+
+// rows [m0, m0 + R) of y for one tile; xq holds the configured rows from m0 (zero padding past M). Two blocks in
+// flight (tiles 0/2/4 and 1/3/5), so that one block's tile latency overlaps the other's.
+template <int R>
+inline void q4_tile_amx(const uint8_t* tile, const int8_t* xq, const float* s, const float* ssum, int64_t K, int64_t G,
+                        int64_t m0, float* y, int64_t N, int64_t n0) {
+  alignas(64) uint8_t wb[2][512];
+  alignas(64) int32_t sums[2][kAmxRows * 16];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xa = xq + m0 * K;
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    const uint8_t* cb = tile + g * kQ4Bytes;
+    prefetch(cb + kAhead * kQ4Bytes, 2 * kQ4Bytes);
+    unpack_q4(cb, wb[0]);
+    unpack_q4(cb + kQ4Bytes, wb[1]);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, xa + g * kBlock, K);
+    _tile_loadd(3, xa + (g + 1) * kBlock, K);
+    _tile_loadd(4, wb[0], 64);
+    _tile_loadd(5, wb[1], 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbsud(1, 3, 5);
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    q4_epilogue<R>(acc, sums[0], cb, s, ssum, G, m0, g);
+    q4_epilogue<R>(acc, sums[1], cb + kQ4Bytes, s, ssum, G, m0, g + 1);
+  }
+  if (g < G) {
+    const uint8_t* cb = tile + g * kQ4Bytes;
+    unpack_q4(cb, wb[0]);
+    _tile_zero(0);
+    _tile_loadd(2, xa + g * kBlock, K);
+    _tile_loadd(4, wb[0], 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, sums[0], 64);
+    q4_epilogue<R>(acc, sums[0], cb, s, ssum, G, m0, g);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+}
+
+template <int R>
+inline void q8_tile_amx(const uint8_t* tile, const int8_t* xu, const float* s, int64_t K, int64_t G, int64_t m0,
+                        float* y, int64_t N, int64_t n0) {
+  alignas(64) int32_t sums[2][kAmxRows * 16];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xa = xu + m0 * K;
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    const uint8_t* cb = tile + g * kQ8Bytes;
+    prefetch(cb + kAhead * kQ8Bytes, 2 * kQ8Bytes);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, xa + g * kBlock, K);
+    _tile_loadd(3, xa + (g + 1) * kBlock, K);
+    _tile_loadd(4, cb, 64);
+    _tile_loadd(5, cb + kQ8Bytes, 64);
+    _tile_dpbusd(0, 2, 4);
+    _tile_dpbusd(1, 3, 5);
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    q8_epilogue<R>(acc, sums[0], cb, s, G, m0, g);
+    q8_epilogue<R>(acc, sums[1], cb + kQ8Bytes, s, G, m0, g + 1);
+  }
+  if (g < G) {
+    const uint8_t* cb = tile + g * kQ8Bytes;
+    _tile_zero(0);
+    _tile_loadd(2, xa + g * kBlock, K);
+    _tile_loadd(4, cb, 64);
+    _tile_dpbusd(0, 2, 4);
+    _tile_stored(0, sums[0], 64);
+    q8_epilogue<R>(acc, sums[0], cb, s, G, m0, g);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+}
+
+template <typename Tile>
+void run_tiles_amx(int64_t M, int64_t N, Tile tile) {
+  const int64_t tiles = N / 16;
+  const int cfg_rows = static_cast<int>(std::min<int64_t>(M, kAmxRows));
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    amx_configure(cfg_rows);  // per thread; the A and C tiles always hold cfg_rows rows (padding past M)
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m = 0; m < M; m += kAmxRows) {
+        switch (std::min<int64_t>(M - m, kAmxRows)) {
+#define DSPARK_AMX_ROWS(r) case r: tile(t, m, std::integral_constant<int, r>{}); break;
+          DSPARK_AMX_ROWS(16) DSPARK_AMX_ROWS(15) DSPARK_AMX_ROWS(14) DSPARK_AMX_ROWS(13) DSPARK_AMX_ROWS(12)
+          DSPARK_AMX_ROWS(11) DSPARK_AMX_ROWS(10) DSPARK_AMX_ROWS(9) DSPARK_AMX_ROWS(8) DSPARK_AMX_ROWS(7)
+          DSPARK_AMX_ROWS(6) DSPARK_AMX_ROWS(5) DSPARK_AMX_ROWS(4) DSPARK_AMX_ROWS(3) DSPARK_AMX_ROWS(2)
+          DSPARK_AMX_ROWS(1)
+#undef DSPARK_AMX_ROWS
+          default: break;
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // DSPARK_AMX
+
 #else  // AVX2: each tile as two halves of 8 columns (bytes 32 h .. 32 h + 31 of each 64-byte code vector)
 
 inline __m256i bcast4(const int8_t* p) {
@@ -304,14 +487,34 @@ void run_tiles(int64_t M, int64_t N, Tile tile) {
 
 }  // namespace
 
+// Whether a product of M rows runs on the tile unit: AMX builds, where Linux grants it, from 8 rows on (below that
+// the vpdpbusd chains are as fast or faster: scripts/kernel_ab.py on SmolLM2's projections, 2 rows 1.17x, 4 rows
+// 1.01x, 8 rows 0.94x, 16-32 rows 0.78x of their time). DSPARK_AMX_MIN_ROWS overrides it (0 = never), to measure.
+#if defined(DSPARK_AMX)
+int64_t amx_min_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("DSPARK_AMX_MIN_ROWS");
+    const int64_t v = e ? std::atoll(e) : 8;
+    return v > 0 && amx_permitted() ? v : int64_t(0);
+  }();
+  return rows;
+}
+inline bool use_amx(int64_t M) { return amx_min_rows() > 0 && M >= amx_min_rows(); }
+#else
+inline bool use_amx(int64_t) { return false; }
+#endif
+
 // x quantized per row and block (the offset form for signed weights), and the float32 output, for one product.
+// `rows`: rows of xq to allocate (the tile path past 16 rows pads them with zeros to a multiple of 16, since its
+// last A tile reads 16 rows).
 struct Product {
   int64_t M, K, G;
   torch::Tensor xq, s, ssum, y;
-  Product(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t block_bytes, bool offset)
+  Product(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t block_bytes, bool offset,
+          int64_t rows = 0)
       : M(x.size(0)), K(x.size(1)), G(x.size(1) / kBlock) {
     check(x, packed, n, block_bytes);
-    xq = torch::empty({M, K}, torch::kInt8);
+    xq = rows > M ? torch::zeros({rows, K}, torch::kInt8) : torch::empty({M, K}, torch::kInt8);
     s = torch::empty({M, G}, torch::kFloat32);
     ssum = torch::empty({M, G}, torch::kFloat32);
     quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), s.data_ptr<float>(), ssum.data_ptr<float>(),
@@ -320,7 +523,41 @@ struct Product {
   }
 };
 
+#if defined(DSPARK_AMX)
+// The tile path, kept out of line: the vpdpbusd path below compiles (and runs) as it does without it.
+inline int64_t amx_rows_allocated(int64_t M) { return M > kAmxRows ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M; }
+
+__attribute__((noinline)) torch::Tensor q4_mm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  Product p(x, packed, n, kQ4Bytes, false, amx_rows_allocated(x.size(0)));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int8_t* xp = p.xq.data_ptr<int8_t>();
+  const float *sp = p.s.data_ptr<float>(), *ssp = p.ssum.data_ptr<float>();
+  float* yp = p.y.data_ptr<float>();
+  const int64_t K = p.K, G = p.G;
+  run_tiles_amx(p.M, n, [&](int64_t t, int64_t m, auto rows) {
+    q4_tile_amx<decltype(rows)::value>(wp + t * G * kQ4Bytes, xp, sp, ssp, K, G, m, yp, n, t * 16);
+  });
+  return p.y;
+}
+
+__attribute__((noinline)) torch::Tensor q8_mm_amx(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  Product p(x, packed, n, kQ8Bytes, kQ8Offset, amx_rows_allocated(x.size(0)));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int8_t* xp = p.xq.data_ptr<int8_t>();
+  const float* sp = p.s.data_ptr<float>();
+  float* yp = p.y.data_ptr<float>();
+  const int64_t K = p.K, G = p.G;
+  run_tiles_amx(p.M, n, [&](int64_t t, int64_t m, auto rows) {
+    q8_tile_amx<decltype(rows)::value>(wp + t * G * kQ8Bytes, xp, sp, K, G, m, yp, n, t * 16);
+  });
+  return p.y;
+}
+#endif
+
 torch::Tensor q4_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+#if defined(DSPARK_AMX)
+  if (x.dim() == 2 && use_amx(x.size(0))) return q4_mm_amx(x, packed, n);
+#endif
   Product p(x, packed, n, kQ4Bytes, false);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int8_t* xp = p.xq.data_ptr<int8_t>();
@@ -334,6 +571,9 @@ torch::Tensor q4_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t
 }
 
 torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+#if defined(DSPARK_AMX)
+  if (x.dim() == 2 && use_amx(x.size(0))) return q8_mm_amx(x, packed, n);
+#endif
   Product p(x, packed, n, kQ8Bytes, kQ8Offset);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int8_t* xp = p.xq.data_ptr<int8_t>();
@@ -346,7 +586,11 @@ torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t
   return p.y;
 }
 
+// Whether products of `rows` rows run on the tile unit here (for tests and reports).
+bool q8dot_amx(int64_t rows) { return use_amx(rows); }
+
 TORCH_LIBRARY(dspark_cpu, m) {
   m.def("q4_mm(Tensor x, Tensor packed, int n) -> Tensor", q4_mm);
   m.def("q8_mm(Tensor x, Tensor packed, int n) -> Tensor", q8_mm);
+  m.def("q8dot_amx(int rows) -> bool", q8dot_amx);
 }
