@@ -32,7 +32,7 @@ from dspark_core.sampling import SamplingParams
 from dspark_core.stack import default_target, load_stack
 from dspark_core.text import encode_prompt
 from dspark_core.training.data import load_prompts, split
-from dspark_cli.models import resolve_drafter_path
+from dspark_cli.models import load_sps, resolve_drafter_path
 
 REPO = Path(__file__).resolve().parents[1]
 ap = argparse.ArgumentParser()
@@ -95,7 +95,8 @@ def observe(rec):
         rounds.append({"a": a, "l": l, "x": ev.new_token_ids[a], "ids": ids, "p": p, "conf": conf})
 
 
-engine = Engine(target, drafter, EngineConfig(policy=args.policy), observer=observe)
+# the cost-table policies (causal, async) read the target's installed SPS table, as `dspark generate` does
+engine = Engine(target, drafter, EngineConfig(policy=args.policy), observer=observe, sps=load_sps(target_dir)[0])
 tok = target.tokenizer
 for ds in ("mbpp", "math500", "arena-hard-v2"):
     _, held = split(load_prompts(REPO / "data" / "dev" / f"{ds}.jsonl"))
