@@ -22,9 +22,11 @@ F16C (`DSPARK_KERNEL_ISA=avx2` forces the AVX2 build, for tests); `DSPARK_Q8DOT=
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,8 +41,9 @@ _ISAS = (
     ("avx2", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 )
 # The AVX512 build also carries the AMX tile path of the block-quantized matmuls where the CPU has Intel's tile unit
-# (q8dot.cpp; the same outputs bit for bit, from 2 rows on); DSPARK_AMX=0 builds without it.
+# and the compiler knows it (q8dot.cpp; the same outputs bit for bit, from 8 rows on); DSPARK_AMX=0 builds without.
 _AMX_FLAGS = {"amx_tile", "amx_int8"}
+_AMX_CFLAGS = ["-mamx-tile", "-mamx-int8"]
 _state: dict[str, object] = {}
 BLOCK = 32
 
@@ -64,10 +67,24 @@ def isa() -> tuple[str, list[str]] | str:
     for name, needs, cflags in candidates:
         missing = [f for f in needs if f not in flags]
         if not missing:
-            if name == "avx512" and _AMX_FLAGS <= flags and os.environ.get("DSPARK_AMX", "1") != "0":
-                cflags = cflags + ["-mamx-tile", "-mamx-int8"]
+            if name == "avx512" and _AMX_FLAGS <= flags and os.environ.get("DSPARK_AMX", "1") != "0" \
+                    and _compiler_takes(tuple(_AMX_CFLAGS)):
+                cflags = cflags + _AMX_CFLAGS
             return name, cflags
     return f"the CPU lacks {', '.join(missing)} (for {name})"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_takes(cflags: tuple[str, ...]) -> bool:
+    """Whether the C++ compiler the build uses ($CXX, else c++) compiles AMX intrinsics with these flags (gcc < 11 does
+    not know them: the kernels are then built without the tile path rather than not at all)."""
+    src = "#include <immintrin.h>\nvoid f() { _tile_release(); }\n"
+    try:
+        done = subprocess.run([os.environ.get("CXX", "c++"), *cflags, "-x", "c++", "-fsyntax-only", "-"], input=src,
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def build_dir(name: str) -> Path:

@@ -83,3 +83,29 @@ def test_a_forced_instruction_set_is_checked_by_name(monkeypatch):
     monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
     has = {"avx2", "fma", "f16c"} <= _cpu_flags()
     assert isa() == ("avx2", ["-mavx2", "-mfma", "-mf16c"]) if has else isa().startswith("the CPU lacks")
+
+
+def test_amx_flags_only_where_the_cpu_and_the_compiler_take_them(monkeypatch, tmp_path):
+    """The AVX512 build adds the AMX tile path's flags only on a CPU with AMX and a compiler that knows them (an
+    older gcc would fail the whole build, and the kernels with it); DSPARK_AMX=0 leaves them out."""
+    from dspark_core import kernels
+
+    flags = _cpu_flags()
+    chosen = isa()
+    if isinstance(chosen, str) or chosen[0] != "avx512":
+        pytest.skip(f"needs the AVX512 build (here: {chosen})")
+    amx_cpu = {"amx_tile", "amx_int8"} <= flags
+    assert ("-mamx-tile" in chosen[1]) == (amx_cpu and kernels._compiler_takes(("-mamx-tile", "-mamx-int8")))
+    monkeypatch.setenv("DSPARK_AMX", "0")
+    assert "-mamx-tile" not in isa()[1]
+    monkeypatch.delenv("DSPARK_AMX")
+    refusing = tmp_path / "old-c++"  # a compiler that does not know the flags
+    refusing.write_text("#!/bin/sh\necho \"unrecognized command-line option '-mamx-tile'\" >&2\nexit 1\n")
+    refusing.chmod(0o755)
+    monkeypatch.setenv("CXX", str(refusing))
+    kernels._compiler_takes.cache_clear()
+    try:
+        assert "-mamx-tile" not in isa()[1]
+    finally:
+        monkeypatch.delenv("CXX")
+        kernels._compiler_takes.cache_clear()
