@@ -90,25 +90,25 @@ def _install(args) -> int:
             print(f"smollm2 already installed in {out}")
             # a table measured with another build of our kernels is measured again (the kernels' cost curve
             # moved); an install without a table keeps none (`dspark profile` / a serving pod measure one)
-            from dspark_core.stack import SPS_FILE, find_generated
-
-            found = find_generated(out, SPS_FILE)
-            return 0 if found is None or _stale(found) is None else _quick_profile(out, args.profile_seconds)
+            return _quick_profile(out, args.profile_seconds, when_missing=False)
     print(f"converting {src.name} -> {out}")
     import_gguf(src, out, name="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", overwrite=True, keep_copy=True)
     print(f"installed smollm2 in {out}")
     return _quick_profile(out, args.profile_seconds)
 
 
-def _quick_profile(target_dir: Path, budget_s: float) -> int:
+def _quick_profile(target_dir: Path, budget_s: float, when_missing: bool = True) -> int:
     """A quick SPS table beside a freshly installed target that has none (what a verifier measures at
     start-up), so that the cost-table policies run from the first `dspark generate`; measured again when the
-    table there was measured with another build of our CPU kernels (a `make setup` after a kernel change)."""
+    table there was measured with another build of our CPU kernels (a `make setup` after a kernel change).
+    `when_missing`: False leaves a target without a table as it is (only a stale one is measured again)."""
     from dspark_core.stack import SPS_FILE, find_generated, load_target_runtime
 
     if budget_s <= 0:
         return 0
     found = find_generated(target_dir, SPS_FILE)
+    if found is None and not when_missing:
+        return 0
     if found is not None:
         why = _stale(found)
         if why is None:
