@@ -138,6 +138,18 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// One block's float32 step for one row, shared by the vpdpbusd and the tile paths (whose outputs are bitwise equal
+// because both run exactly these operations): Q4 acc += (d s) isum + o (s sum xq); Q8 acc += (d s) isum.
+inline __m512 q4_step(__m512 acc, __m512i isum, __m512 dv, __m512 ov, float s, float ssum) {
+  const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(s));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc);
+  return _mm512_fmadd_ps(ov, _mm512_set1_ps(ssum), acc);
+}
+
+inline __m512 q8_step(__m512 acc, __m512i isum, __m512 dv, float s) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(s)), acc);
+}
+
 // Q4: rows [m0, m0 + R) x one tile of 16 columns.
 template <int R>
 inline void q4_tile(const uint8_t* tile, const int8_t* xq, const float* s, const float* ssum, int64_t K, int64_t G,
@@ -162,9 +174,7 @@ inline void q4_tile(const uint8_t* tile, const int8_t* xq, const float* s, const
       __m512i isum = _mm512_setzero_si512();
       // vector 2v covers inputs 8v..8v+3 of the block, vector 2v+1 inputs 8v+4..8v+7
       for (int v = 0; v < 8; ++v) isum = _mm512_dpbusd_epi32(isum, w[v], bcast4(xb + 4 * v));
-      const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(s[m * G + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc[r]);
-      acc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(ssum[m * G + g]), acc[r]);
+      acc[r] = q4_step(acc[r], isum, dv, ov, s[m * G + g], ssum[m * G + g]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
@@ -189,9 +199,7 @@ inline void q8_tile(const uint8_t* tile, const int8_t* xu, const float* s, int64
       const int8_t* xb = xu + m * K + g * kBlock;
       __m512i isum = _mm512_setzero_si512();
       for (int v = 0; v < 8; ++v) isum = _mm512_dpbusd_epi32(isum, bcast4(xb + 4 * v), w[v]);
-      isum = _mm512_sub_epi32(isum, corr);
-      const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(s[m * G + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc[r]);
+      acc[r] = q8_step(acc[r], _mm512_sub_epi32(isum, corr), dv, s[m * G + g]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
@@ -234,7 +242,7 @@ inline void amx_configure(int rows) {
   _tile_loadconfig(&c);
 }
 
-// The float32 part of one block for rows [m0, m0 + R): the VNNI kernels' operations, in their order.
+// The float32 part of one block for rows [m0, m0 + R), from the tile's stored sums.
 template <int R>
 inline void q4_epilogue(__m512* acc, const int32_t* sums, const uint8_t* cb, const float* s, const float* ssum,
                         int64_t G, int64_t m0, int64_t g) {
@@ -242,9 +250,7 @@ inline void q4_epilogue(__m512* acc, const int32_t* sums, const uint8_t* cb, con
   const __m512 ov = load_half16(reinterpret_cast<const at::Half*>(cb + 288));
   for (int r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
-    const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(s[m * G + g]));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r)), ds, acc[r]);
-    acc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(ssum[m * G + g]), acc[r]);
+    acc[r] = q4_step(acc[r], _mm512_load_si512(sums + 16 * r), dv, ov, s[m * G + g], ssum[m * G + g]);
   }
 }
 
@@ -256,9 +262,7 @@ inline void q8_epilogue(__m512* acc, const int32_t* sums, const uint8_t* cb, con
       _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 544))), 7);
   for (int r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
-    const __m512i isum = _mm512_sub_epi32(_mm512_load_si512(sums + 16 * r), corr);
-    const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(s[m * G + g]));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc[r]);
+    acc[r] = q8_step(acc[r], _mm512_sub_epi32(_mm512_load_si512(sums + 16 * r), corr), dv, s[m * G + g]);
   }
 }
 
