@@ -103,9 +103,10 @@ def run(args) -> int:
         note(f"policy {policy} needs the target's SPS cost table and {target_dir} has none yet "
              f"(`dspark profile --target {target_dir}` measures one); decoding with policy fixed")
         policy = "fixed"
-    # DeepSpec's round protocol, so that released checkpoints reproduce their reference traces round by round
-    engine = Engine(target, drafter, EngineConfig(policy=policy, block_size=args.block_size, deepspec_rounds=True),
-                    sps=sps)
+    # DeepSpec's round protocol (the drafter over the whole prompt), so that released checkpoints reproduce their
+    # reference traces round by round
+    engine = Engine(target, drafter, EngineConfig(policy=policy, block_size=args.block_size, deepspec_rounds=True,
+                                                  draft_window=None), sps=sps)
     streamer = None
     if not args.json and target.tokenizer is not None:
         streamer = TextStreamer(target.tokenizer)

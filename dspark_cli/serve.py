@@ -86,5 +86,6 @@ def _run_all(args) -> int:
         default_max_new_tokens=args.default_max_new_tokens, profile_budget_s=args.sps_profile_seconds,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
-        record_rounds=args.record_rounds, tls_dir=args.tls_dir, api_keys=flags.api_keys(args), **flags.redis_auth())
+        draft_window=args.draft_window or None, record_rounds=args.record_rounds, tls_dir=args.tls_dir,
+        api_keys=flags.api_keys(args), **flags.redis_auth())
     return flags.run_app(lambda: SchedulerApp(cfg))

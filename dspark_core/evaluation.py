@@ -194,9 +194,11 @@ def run_rounds(target, drafter, prompts: list[list[int]], *, block_size: int | N
         raise InvalidArgument("prompts", 0, "must hold at least one prompt")
     recorder = _ProposalLog()
     # seeded requests batched (isolate_seeded=False): acceptance statistics of the target's own distribution,
-    # reproducible up to the batch's rounding, at batched speed
+    # reproducible up to the batch's rounding, at batched speed; the drafter sees the whole prompt (the paper's
+    # loop, so tau stays comparable with every earlier evaluation)
     engine = Engine(target, drafter, EngineConfig(policy="fixed", block_size=block_size, max_active=concurrency,
-                                                 max_waiting=len(prompts) + 1, isolate_seeded=False),
+                                                 max_waiting=len(prompts) + 1, isolate_seeded=False,
+                                                 draft_window=None),
                     observer=recorder)
     log = RoundLog(confidence_logits=[] if drafter.has_confidence else None)
     order: dict[str, int] = {}

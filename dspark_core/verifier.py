@@ -35,6 +35,9 @@ class PrefillItem:
     # trailing prompt tokens that were generated (a request adopted from a lost scheduler resumes from its
     # prompt + what it had generated): penalties and min_tokens count them as output, as they did before
     generated_in_prompt: int = 0
+    # how many of the prompt's last positions' features to return (None: every position; 0: none): a drafter
+    # whose context begins there (EngineConfig.draft_window) never reads the others, so they are not sent
+    feature_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,9 @@ class Verifier:
             if not (isinstance(g, int) and 0 <= g < len(it.prompt_ids)):
                 raise InvalidArgument("generated_in_prompt", g,
                                       f"must be an integer in [0, {len(it.prompt_ids)}) (the prompt's length)")
+            n = it.feature_rows
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise InvalidArgument("feature_rows", n, "must be None (every prompt position) or an integer >= 0")
         first_of: dict[tuple[int, ...], int] = {}  # prompt -> index of the item whose forward it shares
         unique = [first_of.setdefault(tuple(it.prompt_ids), i) == i for i, it in enumerate(items)]
         owners = [i for i, u in enumerate(unique) if u]
@@ -166,8 +172,10 @@ class Verifier:
             first = verify_block(logits[:1], DraftBlock(tokens=()), s.params, s.generator,
                                  s.history(len(s.tokens)), position=self._position(len(it.prompt_ids)))
             s.tokens.extend(first.tokens)
-            results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, taps, 0,
-                                      list(it.prompt_ids), _listed(first.logprobs)))
+            cut = 0 if it.feature_rows is None else max(0, len(it.prompt_ids) - it.feature_rows)
+            rows = taps[cut:].clone() if cut else taps  # a copy: the whole prompt's taps are freed
+            results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, rows, cut,
+                                      list(it.prompt_ids[cut:]), _listed(first.logprobs)))
         return results
 
     def _position(self, position: int) -> int | None:

@@ -43,7 +43,9 @@ class ProposeItem:
     state: object  # from drafter.new_state(); the drafter mutates it
     # [n_new, L * H] target taps (concat of target_layer_ids outputs) for the newly committed positions
     new_features: torch.Tensor
-    new_positions_start: int  # position of new_features[0]
+    # position of new_features[0]: the state's next position, or any position for a state that holds nothing yet
+    # (the request's drafter context then begins there: the positions before it are never seen)
+    new_positions_start: int
     new_tokens: list[int]  # committed tokens at those positions (len n_new)
     anchor: int  # newest committed token, no target state yet
     anchor_pos: int  # == new_positions_start + n_new
@@ -142,8 +144,11 @@ def trained_features(features: torch.Tensor, config) -> torch.Tensor:
     return features if dtype is None or features.dtype == dtype else features.to(dtype)
 
 
-def validate_items(items: list[ProposeItem], state_type: type, feature_size: int, vocab_size: int) -> None:
-    """Raise InvalidArgument for anything a drafter cannot work with; checks positions are contiguous."""
+def validate_items(items: list[ProposeItem], state_type: type, feature_size: int, vocab_size: int,
+                   max_positions: int | None = None) -> None:
+    """Raise InvalidArgument for anything a drafter cannot work with; checks positions are contiguous and,
+    with `max_positions` (the drafter's max_position_embeddings), that every anchor lies below it (a context
+    may begin at any position: the position tables must not grow to what a client names)."""
     if not items:
         raise InvalidArgument("items", items, "must hold at least one ProposeItem")
     seen: set[int] = set()
@@ -162,12 +167,18 @@ def validate_items(items: list[ProposeItem], state_type: type, feature_size: int
         n_new = f.shape[0]
         if len(it.new_tokens) != n_new:
             raise InvalidArgument(f"{where}.new_tokens", len(it.new_tokens), f"must have n_new = {n_new} tokens")
-        if it.new_positions_start != it.state.length:
-            raise InvalidArgument(f"{where}.new_positions_start", it.new_positions_start,
+        start = it.new_positions_start
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise InvalidArgument(f"{where}.new_positions_start", start, "must be an integer >= 0")
+        if start != it.state.length and not _fresh(it.state):
+            raise InvalidArgument(f"{where}.new_positions_start", start,
                                   f"must continue the drafter state (next position {it.state.length})")
         if it.anchor_pos != it.new_positions_start + n_new:
             raise InvalidArgument(f"{where}.anchor_pos", it.anchor_pos,
                                   f"must equal new_positions_start + n_new = {it.new_positions_start + n_new}")
+        if max_positions is not None and it.anchor_pos >= max_positions:
+            raise InvalidArgument(f"{where}.anchor_pos", it.anchor_pos,
+                                  f"must be below the drafter's max_position_embeddings ({max_positions})")
         if it.anchor_pos < 1:
             raise InvalidArgument(f"{where}.anchor_pos", it.anchor_pos, "must be >= 1 (prefill a non-empty prompt)")
         for tok in (*it.new_tokens, it.anchor):
@@ -176,6 +187,19 @@ def validate_items(items: list[ProposeItem], state_type: type, feature_size: int
         t = it.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise InvalidArgument(f"{where}.temperature", t, "must be a finite number >= 0")
+
+
+def _fresh(state) -> bool:
+    """Whether a drafter state holds no context yet (its first item may begin at any position)."""
+    return state.cache.length == 0
+
+
+def begin_contexts(items: list[ProposeItem]) -> None:
+    """After `validate_items`: a state that holds nothing yet begins its context at its item's start (the
+    positions before it stay unseen: a drafter context window). Its K/V rows then hold positions first.."""
+    for it in items:
+        if _fresh(it.state):
+            it.state.first = it.new_positions_start
 
 
 @dataclass

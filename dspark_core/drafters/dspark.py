@@ -26,7 +26,7 @@ import torch
 
 from dspark_core.drafters.backbone import ParallelBackbone
 from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_coupling, draw_uniforms,
-                                      trained_features, validate_items)
+                                      begin_contexts, trained_features, validate_items)
 from dspark_core.drafters.config import ARCH_DSPARK, DrafterConfig
 from dspark_core.drafters.heads import ConfidenceHead, build_markov_head, markov_slot_kernel
 from dspark_core.drafters.kv_cache import KVCache
@@ -36,14 +36,16 @@ from dspark_core.errors import InvalidArgument
 
 @dataclass
 class DSparkState:
-    """Per-request drafter state: the projected context K/V of every committed position so far."""
+    """Per-request drafter state: the projected context K/V of every committed position from `first`
+    on (0 unless the request's context began later: `base.begin_contexts`)."""
 
     cache: KVCache
+    first: int = 0
 
     @property
     def length(self) -> int:
-        """Next position the drafter expects features for (== number of cached context positions)."""
-        return self.cache.length
+        """Next position the drafter expects features for (first + number of cached context positions)."""
+        return self.first + self.cache.length
 
 
 @dataclass
@@ -172,7 +174,9 @@ class DSparkDrafter(LocalStates, ParallelBackbone):
     @torch.no_grad()
     def draft(self, items: list[ProposeItem]) -> BlockDraft:
         """Extend every request's context, then draft one block per request (batched)."""
-        validate_items(items, DSparkState, self.config.feature_size, self.config.vocab_size)
+        validate_items(items, DSparkState, self.config.feature_size, self.config.vocab_size,
+                       self.config.max_position_embeddings)
+        begin_contexts(items)
         caches = [it.state.cache for it in items]
         self.extend_contexts(caches, [trained_features(it.new_features, self.config) for it in items],
                              [it.new_positions_start for it in items])

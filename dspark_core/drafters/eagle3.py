@@ -30,7 +30,7 @@ from torch import nn
 
 from dspark_core.drafters.backbone import register_draft_vocab
 from dspark_core.drafters.base import (DEFAULT_SUPPORT_SIZE, LocalStates, Proposal, ProposeItem, draw_coupling, draw_uniforms,
-                                      trained_features, validate_items)
+                                      begin_contexts, trained_features, validate_items)
 from dspark_core.drafters.config import ARCH_EAGLE3, DrafterConfig
 from dspark_core.drafters.dspark import _check_support_size
 from dspark_core.drafters.kv_cache import KVCache, pad_caches
@@ -60,15 +60,17 @@ class Eagle3Layer(nn.Module):
 
 @dataclass
 class Eagle3State:
-    """Per-request state: K/V of committed rows (positions 0..length-1) and the newest row's output."""
+    """Per-request state: K/V of committed rows (positions first..length-1) and the newest row's output."""
 
     cache: KVCache
     # [H] pre-norm output of the last committed row; its logits predict the token after the anchor
     last_hidden: torch.Tensor | None = None
+    # the first position held (0 unless the request's context began later: `base.begin_contexts`)
+    first: int = 0
 
     @property
     def length(self) -> int:
-        return self.cache.length
+        return self.first + self.cache.length
 
 
 @dataclass
@@ -266,7 +268,9 @@ class Eagle3Drafter(LocalStates, nn.Module):
 
     @torch.no_grad()
     def draft(self, items: list[ProposeItem]) -> ChainDraft:
-        validate_items(items, Eagle3State, self.config.feature_size, self.config.vocab_size)
+        validate_items(items, Eagle3State, self.config.feature_size, self.config.vocab_size,
+                       self.config.max_position_embeddings)
+        begin_contexts(items)
         for i, it in enumerate(items):
             if it.new_features.shape[0] == 0 and it.state.last_hidden is None:
                 raise InvalidArgument(f"items[{i}].new_features", 0, "must not be empty on the first round")

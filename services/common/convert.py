@@ -284,6 +284,8 @@ def prefill_item_to_proto(item: PrefillItem) -> types_pb2.PrefillRequest:
     msg = types_pb2.PrefillRequest(request_id=item.request_id, prompt_token_ids=list(item.prompt_ids),
                                    generated_prompt_tokens=int(item.generated_in_prompt))
     params_to_proto(item.params, msg.sampling, complete_stop_set=True)  # the scheduler resolved the stop set
+    if item.feature_rows is not None:
+        msg.context_feature_rows = int(item.feature_rows)
     return msg
 
 
@@ -295,7 +297,8 @@ def prefill_item_from_proto(msg: types_pb2.PrefillRequest, extra_stop_ids=()) ->
         raise InvalidArgument("generated_prompt_tokens", msg.generated_prompt_tokens,
                               f"must be below the prompt's length ({len(msg.prompt_token_ids)})")
     return PrefillItem(msg.request_id, tuple(msg.prompt_token_ids), params_from_proto(msg.sampling, extra_stop_ids),
-                       int(msg.generated_prompt_tokens))
+                       int(msg.generated_prompt_tokens),
+                       int(msg.context_feature_rows) if msg.HasField("context_feature_rows") else None)
 
 
 def proposal_to_proto(prop: Proposal, max_tokens: int, out: types_pb2.Proposal) -> None:
@@ -370,8 +373,16 @@ def verify_result_to_proto(res: StepResult, num_layers: int, out: types_pb2.Veri
 
 def prefill_result_from_proto(resp: types_pb2.PrefillResponse, item: PrefillItem) -> StepResult:
     """A PrefillResponse for `item` -> the StepResult a local Verifier's prefill would have returned."""
-    return StepResult(item.request_id, [resp.anchor_token_id], 0, resp.stopped,
-                      features_from_proto(resp.context_features, "context_features"), 0, list(item.prompt_ids),
+    feats = features_from_proto(resp.context_features, "context_features")
+    start = int(resp.context_features.start_position)
+    n = len(item.prompt_ids)
+    if start + feats.shape[0] != n or (item.feature_rows is None and start) or \
+            (item.feature_rows is not None and feats.shape[0] > item.feature_rows):
+        raise InvalidArgument("context_features", [start, feats.shape[0]],
+                              f"must be the last rows of the {n}-token prompt it asked for (rows "
+                              f"{'all' if item.feature_rows is None else item.feature_rows})")
+    return StepResult(item.request_id, [resp.anchor_token_id], 0, resp.stopped, feats, start,
+                      list(item.prompt_ids[start:]),
                       logprobs_from_proto(resp.logprobs, item.params.logprobs is not None, 1, "logprobs"))
 
 
@@ -387,11 +398,13 @@ def verify_result_from_proto(r: types_pb2.VerifyResult, item: VerifyItem) -> Ste
 
 
 def propose_item_to_proto(request_id: str, it: ProposeItem, features: torch.Tensor, start: int, tokens,
-                          num_layers: int, seed: int | None) -> types_pb2.ProposeItem:
+                          num_layers: int, seed: int | None, begins: bool = False) -> types_pb2.ProposeItem:
     """One request's drafting input -> ProposeItem; `features` / `start` / `tokens` are the context to
-    send (the new positions, or all of them on a resend). Tokens go along when there is one per row."""
+    send (the new positions, or all of them on a resend). Tokens go along when there is one per row.
+    `begins`: the request's drafter context begins at `start` (ProposeItem.begins_context)."""
     msg = types_pb2.ProposeItem(request_id=request_id, anchor_token_id=int(it.anchor),
-                                anchor_position=int(it.anchor_pos), temperature=float(it.temperature))
+                                anchor_position=int(it.anchor_pos), temperature=float(it.temperature),
+                                begins_context=begins)
     features_to_proto(features, start, num_layers, msg.context_features)
     if len(tokens) == features.shape[0]:  # the tokens at the feature rows (EAGLE-3 conditions on them)
         msg.context_token_ids.extend(int(t) for t in tokens)

@@ -57,6 +57,7 @@ class _Job:
     tokens: list[int] | None = None  # context_token_ids, one per feature row (None: not sent)
     processing: object = None  # the item's DraftProcessing (None: not sent, or nothing to do)
     error: tuple[int, str, int] | None = None  # (status, message, context_length)
+    begins: bool = False  # begins_context: the request's context starts at `start` (what was held is dropped)
 
 
 class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
@@ -105,11 +106,13 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 continue
             ctx = self.contexts.get(j.request_id)
             rows = 0 if j.features is None else j.features.shape[0]
-            if ctx is None and j.start != 0:
+            if j.begins and ctx is not None:  # its scheduler starts the context over: a fresh state below
+                ctx = self.contexts[j.request_id] = _Context(self.drafter.new_state())
+            if ctx is None and j.start != 0 and not j.begins:
                 j.error = (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST,
                            f"request_id {split(j.request_id)[1]!r} has no context on drafter {self.drafter_id}; resend from 0", 0)
                 continue
-            if ctx is not None and j.start != ctx.state.length:
+            if ctx is not None and j.start != ctx.state.length and not j.begins:
                 j.error = (types_pb2.ITEM_STATUS_POSITION_MISMATCH,
                            f"context_features.start_position must be {ctx.state.length}; got {j.start}",
                            ctx.state.length)
@@ -221,6 +224,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 bad = [t for t in it.context_token_ids if not 0 <= t < vocab]
                 if bad:
                     raise InvalidArgument(f"{f}.context_token_ids", bad[:5], f"must be token ids in [0, {vocab})")
+                job.begins = bool(it.begins_context)
                 if it.context_token_ids:
                     job.tokens = [int(t) for t in it.context_token_ids]
                 if it.HasField("processing"):

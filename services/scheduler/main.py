@@ -11,6 +11,8 @@ def _addresses(text: str | None) -> tuple[str, ...]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from dspark_core.scheduling import DRAFT_WINDOW
+
     from ..common import flags
 
     flags.add_policy_arg(p, flags.env("POLICY", "fixed"))
@@ -32,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collapse-ratio", type=float, default=float(flags.env("COLLAPSE_RATIO", 0.25)),
                    help="a drafter whose first-position acceptance falls under this fraction of its expectation "
                         "decodes autoregressively, probing now and then; 0 = no alarm (default 0.25)")
+    p.add_argument("--draft-window", type=int, default=int(flags.env("DRAFT_WINDOW", DRAFT_WINDOW)),
+                   help="a request's drafter context begins at most this many positions before its first anchor "
+                        "(only those prompt positions' features are computed into replies and sent); 0 = the "
+                        f"whole prompt (default {DRAFT_WINDOW})")
     p.add_argument("--record-rounds", default=flags.env("RECORD_ROUNDS"), metavar="PATH",
                    help="append every verified round here (JSON lines) for `dspark calibrate --online`")
 
@@ -104,7 +110,7 @@ def run(args) -> int:
         startup_wait_s=args.startup_wait, autoscale_pools=pools, served_model_name=args.served_model_name,
         namespace=os.environ.get("POD_NAMESPACE", "default"),
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
-        record_rounds=args.record_rounds,
+        draft_window=args.draft_window or None, record_rounds=args.record_rounds,
         target_user_tps=float(args.target_user_tps) if args.target_user_tps is not None else None,
         verifier_grace_s=args.verifier_grace, tls_dir=args.tls_dir, api_keys=flags.api_keys(args),
         **flags.redis_auth())

@@ -488,7 +488,10 @@ class RemoteDrafter:
             (feats, tokens), start = self.verifier.context_features(h.request_id, it.anchor_pos), 0
         else:
             feats, tokens, start = it.new_features, it.new_tokens, it.new_positions_start
-        return propose_item_to_proto(h.request_id, it, feats, start, tokens, len(self.target_layer_ids), seed)
+        # a request's first propose may begin its context after position 0 (the engine's draft window)
+        begins = not h.resend and h.length == 0 and start > 0
+        return propose_item_to_proto(h.request_id, it, feats, start, tokens, len(self.target_layer_ids), seed,
+                                     begins=begins)
 
     def propose(self, items) -> list[Proposal]:
         with tracer.start_as_current_span("drafter.propose") as span:

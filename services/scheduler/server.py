@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark_core.cost_model import SpsTable
-from dspark_core.engine import Engine, EngineConfig
+from dspark_core.engine import DRAFT_WINDOW, Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
 from dspark_core.scheduling import policy_spec
 from dspark_protos.dspark.v1 import (drafter_service_pb2_grpc, scheduler_service_pb2, scheduler_service_pb2_grpc,
@@ -84,6 +84,9 @@ class SchedulerConfig:
     # acceptance falls under this fraction of its expectation decodes autoregressively (None = no alarm)
     calibration_bound: float | None = 0.1
     collapse_ratio: float | None = 0.25
+    # a request's drafter context begins at most this many positions before its first anchor
+    # (EngineConfig.draft_window; None = the whole prompt)
+    draft_window: int | None = DRAFT_WINDOW
     # append every verified round (JSON lines) here, for `dspark calibrate --online`
     record_rounds: str | None = None
     # autoscale to hold this many tokens per second per user (None: on request counts alone)
@@ -103,7 +106,7 @@ class SchedulerConfig:
                                   "must be given (or a redis url to discover verifiers, or an embedded target)")
         EngineConfig(policy=self.policy, block_size=self.block_size, max_active=self.max_active,
                      max_waiting=self.max_waiting, calibration_bound=self.calibration_bound,
-                     collapse_ratio=self.collapse_ratio)  # validates
+                     collapse_ratio=self.collapse_ratio, draft_window=self.draft_window)  # validates
         if self.target_user_tps is not None and not self.target_user_tps > 0:
             raise InvalidArgument("target_user_tps", self.target_user_tps, "must be > 0 tokens per second")
         if not self.verifier_grace_s >= 0:
@@ -164,7 +167,8 @@ class SchedulerApp(ServingApp):
             policy = "fixed"
         return EngineConfig(policy=policy, block_size=c.block_size, max_active=c.max_active,
                             max_waiting=c.max_waiting, calibration_bound=c.calibration_bound,
-                            collapse_ratio=c.collapse_ratio, online_sps=online_sps and has_sps)
+                            collapse_ratio=c.collapse_ratio, online_sps=online_sps and has_sps,
+                            draft_window=c.draft_window)
 
     def _build_embedded(self) -> _Stack:
         from dspark_core.sampling import SamplingParams

@@ -266,7 +266,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         if res.stopped:
             resp.finish_reason = types_pb2.FINISH_REASON_STOP
         logprobs_to_proto(res.logprobs, resp.logprobs)
-        features_to_proto(self._wire(res.features), 0, self.num_layers, resp.context_features)
+        features_to_proto(self._wire(res.features), res.features_start, self.num_layers, resp.context_features)
         resp.stats.CopyFrom(types_pb2.StepStats(num_requests=1, num_tokens=len(item.prompt_ids),
                                                 forward_seconds=dt, queue_seconds=queued))
         return resp

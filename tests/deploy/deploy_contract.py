@@ -24,8 +24,9 @@ SERVE: dict[str, ServeFlags] = {
         required=frozenset({"--port", "--http-port", "--metrics-port", "--redis-url"}),
         # --target: the tokenizer's directory (the service has it; the brief's contract does not list it)
         # --calibration-bound / --collapse-ratio / --target-user-tps: online operation (issue 17)
+        # --draft-window: the drafter's context window (EngineConfig.draft_window)
         optional=frozenset({"--policy", "--target", "--served-model-name", "--calibration-bound", "--collapse-ratio",
-                            "--target-user-tps"}),
+                            "--target-user-tps", "--draft-window"}),
         switches=frozenset({"--autoscale"}),
     ),
     "verifier": ServeFlags(

@@ -17,7 +17,8 @@ VALUES = yaml.safe_load(VALUES_TEXT)
 SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())
 COMPONENTS = ("scheduler", "verifier", "drafter")
 # Keys that only make sense for one component; everything else is common to the three blocks.
-OWN_KEYS = {"scheduler": {"policy", "autoscaler", "servedModelName", "calibrationBound", "collapseRatio"},
+OWN_KEYS = {"scheduler": {"policy", "autoscaler", "servedModelName", "calibrationBound", "collapseRatio",
+                          "draftWindow"},
             "verifier": {"device", "dtype", "weights", "kvCacheGb", "idleTtlSeconds", "spsProfileSeconds"},
             "drafter": {"device", "dtype", "matmulDtype", "besideVerifier"}}
 

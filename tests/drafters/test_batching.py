@@ -122,7 +122,8 @@ def test_invalid_items_raise_and_leave_state_untouched(name, drafter, reference)
     bad = {
         "new_features": item(new_features=feats[:, :-1]),
         "new_tokens": item(new_tokens=p["prompt_ids"][:-1]),
-        "new_positions_start": item(new_positions_start=3, anchor_pos=t + 3),
+        # a fresh state may begin anywhere (a context window), but not before position 0
+        "new_positions_start": item(new_positions_start=-1, anchor_pos=t - 1),
         "anchor_pos": item(anchor_pos=t + 1),
         "temperature": item(temperature=-1.0),
         "tokens": item(anchor=10_000),

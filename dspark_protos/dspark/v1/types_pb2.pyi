@@ -335,16 +335,18 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ..., default_drafter: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "generated_prompt_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "generated_prompt_tokens", "context_feature_rows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GENERATED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     generated_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., generated_prompt_tokens: _Optional[int] = ...) -> None: ...
+    context_feature_rows: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., generated_prompt_tokens: _Optional[int] = ..., context_feature_rows: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "anchor_token_id", "anchor_position", "context_features", "stopped", "finish_reason", "stats", "logprobs")
@@ -513,7 +515,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "context_features", "anchor_token_id", "anchor_position", "temperature", "seed", "max_draft_tokens", "context_token_ids", "coupling_seed", "processing")
+    __slots__ = ("request_id", "context_features", "anchor_token_id", "anchor_position", "temperature", "seed", "max_draft_tokens", "context_token_ids", "coupling_seed", "processing", "begins_context")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -524,6 +526,7 @@ class ProposeItem(_message.Message):
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COUPLING_SEED_FIELD_NUMBER: _ClassVar[int]
     PROCESSING_FIELD_NUMBER: _ClassVar[int]
+    BEGINS_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_features: ContextFeatures
     anchor_token_id: int
@@ -534,7 +537,8 @@ class ProposeItem(_message.Message):
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
     coupling_seed: int
     processing: DraftProcessing
-    def __init__(self, request_id: _Optional[str] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., coupling_seed: _Optional[int] = ..., processing: _Optional[_Union[DraftProcessing, _Mapping]] = ...) -> None: ...
+    begins_context: bool
+    def __init__(self, request_id: _Optional[str] = ..., context_features: _Optional[_Union[ContextFeatures, _Mapping]] = ..., anchor_token_id: _Optional[int] = ..., anchor_position: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., coupling_seed: _Optional[int] = ..., processing: _Optional[_Union[DraftProcessing, _Mapping]] = ..., begins_context: _Optional[bool] = ...) -> None: ...
 
 class DraftProcessing(_message.Message):
     __slots__ = ("params", "prompt_token_ids", "output_token_ids")
