@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
+from dspark_core.scheduling import DRAFT_WINDOW
 
 from .models import models_dir, resolve_drafter_path, resolve_target
 from .options import (DRAFTER_CHOICES, add_device_args, add_matmul_dtype_arg, add_target_arg, add_weights_arg,
@@ -73,6 +74,9 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="repeats of every point; medians count (default 1)")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses its own stream (default 0)")
+    p.add_argument("--draft-window", type=int, default=DRAFT_WINDOW, metavar="N",
+                   help="a request's drafter context begins at most N positions before its first anchor (serving's "
+                        f"--draft-window); 0 = the whole prompt (default {DRAFT_WINDOW})")
     p.add_argument("--request-history", choices=("on", "off", "both"), default="on",
                    help="the drafter's request-history recalibration (calibration.json request_history): on "
                         "(default), off, or both: every confidence policy also runs without it, as "
@@ -139,6 +143,8 @@ def check_args(args):
         raise InvalidArgument("--temperature", args.temperature, "must be >= 0")
     if args.repeats < 1:
         raise InvalidArgument("--repeats", args.repeats, "must be >= 1")
+    if args.draft_window < 0:
+        raise InvalidArgument("--draft-window", args.draft_window, "must be >= 0 (0: the whole prompt)")
     if args.block_size is not None and not 1 <= args.block_size <= 32:
         raise InvalidArgument("--block-size", args.block_size, "must be in [1, 32]")
     if args.llamacpp_prompt_lookup_tokens < 0:
@@ -154,7 +160,8 @@ def check_args(args):
             raise InvalidArgument("--dataset", f, "must be an existing JSONL file")
     return BenchSettings(policies=tuple(policies), concurrencies=tuple(concurrencies),
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
-                         block_size=args.block_size, seed=args.seed, request_history=args.request_history)
+                         block_size=args.block_size, seed=args.seed, request_history=args.request_history,
+                         draft_window=args.draft_window or None)
 
 
 def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
@@ -316,6 +323,7 @@ def run(args) -> int:
         "concurrency": list(settings.concurrencies), "policies": list(settings.policies),
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
         "seed": args.seed, "sps": sps_source, "device": str(target.device), "prompts": source,
+        "draft_window": settings.draft_window,
         "sps_table": ({"batch_sizes": list(sps.batch_sizes), "steps_per_second": [round(v, 3) for v in sps.steps_per_second]}
                       if hasattr(sps, "batch_sizes") else None),
         "hf": hf_config,
@@ -368,14 +376,15 @@ def run_distributed(args, settings) -> int:
     say(f"starting the embedded and the distributed deployment ({len(prompts)} prompts, policy {policy})")
     result = run_distributed_bench(target_dir, drafter_path, prompts, policy, list(settings.concurrencies),
                                    settings.repeats, settings.max_new_tokens, settings.temperature, settings.seed,
-                                   settings.block_size, progress=say)
+                                   settings.block_size, progress=say, draft_window=settings.draft_window)
     import os
 
     result["config"] = {
         "target": target_dir, "drafter": drafter_path, "policy": policy, "block_size": args.block_size,
         "concurrency": list(settings.concurrencies), "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature, "repeats": settings.repeats, "seed": settings.seed, "prompts": source,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpus": os.cpu_count(),
+        "draft_window": settings.draft_window, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cpus": os.cpu_count(),
         "protocol": ("both deployments up at once on loopback; per repeat and concurrency, embedded then "
                      "distributed, closed loop over gRPC GenerateUnary with max(prompts, 2 x concurrency) requests; "
                      "stage_breakdown: deltas of dspark_scheduler_stage_seconds_total over the load windows"),

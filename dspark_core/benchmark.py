@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .errors import InvalidArgument
+from .scheduling import DRAFT_WINDOW
 from .scheduling import POLICIES as _REGISTRY
 
 # views of the one registry (dspark_core.scheduling.POLICIES)
@@ -62,6 +63,8 @@ class BenchSettings:
     # the drafter's request-history recalibration (EngineConfig.request_history): "on", "off", or "both" (each
     # confidence policy also runs without it, as "<policy>/no-history", interleaved in the same run)
     request_history: str = "on"
+    # EngineConfig.draft_window of every drafted point (None: the drafter reads the whole prompt)
+    draft_window: int | None = DRAFT_WINDOW
 
     def __post_init__(self):
         if not self.policies:
@@ -263,7 +266,7 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
     return Engine(target, drafter, EngineConfig(policy=policy, block_size=settings.block_size,
                                                 max_active=concurrency, max_waiting=max(1024, concurrency),
                                                 online_sps=online, isolate_seeded=False,
-                                                request_history=history),
+                                                request_history=history, draft_window=settings.draft_window),
                   sps=sps if policy in SPS_POLICIES else None)
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from dspark_cli.main import main
+from dspark_core.scheduling import DRAFT_WINDOW
 
 from conftest import build_tiny_dspark, build_tiny_model
 
@@ -50,7 +51,7 @@ def test_json_contract_plots_and_hf_peer(tiny_stack, capsys):
     assert set(r["hf"]) == {"greedy", "assisted", "prompt_lookup"}
     assert r["speedup_vs_ar_batch1"] > 0 and r["speedup_vs_hf_assisted_batch1"] > 0
     assert r["hf_outputs_match_ar"] == {"greedy": True, "assisted": True, "prompt_lookup": True}
-    assert r["config"]["prompts"]["num_prompts"] == 3
+    assert r["config"]["prompts"]["num_prompts"] == 3 and r["config"]["draft_window"] == DRAFT_WINDOW
     assert plot.stat().st_size > 0 and (plot.parent / "pareto_by_concurrency.png").stat().st_size > 0
 
 
@@ -98,6 +99,7 @@ def test_a_dataset_gives_its_held_out_split_unless_split_all(tiny_target_dir, tm
     (["--policy", "fixed,causal,fixed"], "--policy"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--repeats", "0"], "--repeats"),
+    (["--draft-window", "-1"], "--draft-window"),
     (["--dataset", "/nonexistent.jsonl"], "--dataset"),
 ])
 def test_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
