@@ -64,8 +64,12 @@ def test_the_quick_table_has_the_one_request_row_and_warms_up_first(tiny_target_
     assert table.batch_sizes == (1, 2, 4, 8, 16)
     row = table.for_requests(1)
     assert row.batch_sizes == (1, 2, 3, 4) and row is not table
+    eight = table.for_requests(8)  # 8 sequences verifying 1 .. 4 tokens each (16 tokens: max_sequences 16, no 32)
+    assert eight is not table and eight.batch_sizes[0] == 8 and eight.batch_sizes[-1] == 32
+    assert [r for r, _ in table.by_requests] == [1, 8]
+    assert [4] * 8 in calls  # the row's last pass: 8 sequences verifying 4 tokens each
     # monotone: a step never gets faster with more tokens
-    for t in (table, row):
+    for t in (table, row, eight):
         assert all(a >= b for a, b in zip(t.steps_per_second, t.steps_per_second[1:]))
     steps = [c for c in calls if c != [target.max_context // 4]]  # the contexts' prefills left out
     assert steps[0] == [1] and steps.count([1]) >= 5  # untimed single-token passes before anything is timed
