@@ -90,6 +90,18 @@ def shared_fixtures() -> Path:
 
 
 @pytest.fixture(scope="module")
+def fixture_dspark_stack():
+    """(target, DSpark drafter) of the DeepSpec fixture set, the target tapping the drafter's layers."""
+    from dspark_core.drafters import load_drafter
+    from dspark_core.target import TargetConfig, TargetRuntime
+
+    drafter = load_drafter(SHARED_FIXTURES / "dspark")
+    target = TargetRuntime(TargetConfig(str(SHARED_FIXTURES / "target"), device="cpu", dtype="float32",
+                                        tap_layer_ids=tuple(drafter.target_layer_ids)))
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny-tensor tests run several times faster on one intra-op thread, especially on a busy 2-core
     machine (measured: softmax of [2, 4] at 9 ms with 2 threads, 1.5 us with 1). Modules opt in with

@@ -15,7 +15,6 @@ from dspark_core.drafters.base import ProposeItem
 from dspark_core.engine import DRAFT_WINDOW, Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import SamplingParams
-from dspark_core.target import TargetConfig, TargetRuntime
 from dspark_core.verifier import PrefillItem, Verifier
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -24,11 +23,8 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def stack():
-    drafter = load_drafter(FIXTURES / "dspark")
-    target = TargetRuntime(TargetConfig(str(FIXTURES / "target"), device="cpu", dtype="float32",
-                                        tap_layer_ids=tuple(drafter.target_layer_ids)))
-    return target, drafter
+def stack(fixture_dspark_stack):
+    return fixture_dspark_stack
 
 
 def _prompt(target, n: int) -> list[int]:

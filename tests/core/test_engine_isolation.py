@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_core.drafters import load_drafter
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.sampling import SamplingParams
-from dspark_core.target import TargetConfig, TargetRuntime
 from dspark_core.verifier import Verifier
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,11 +45,8 @@ class Flaky(Verifier):
 
 
 @pytest.fixture(scope="module")
-def stack():
-    drafter = load_drafter(FIXTURES / "dspark")
-    target = TargetRuntime(TargetConfig(str(FIXTURES / "target"), device="cpu", dtype="float32",
-                                        tap_layer_ids=tuple(drafter.target_layer_ids)))
-    return target, drafter
+def stack(fixture_dspark_stack):
+    return fixture_dspark_stack
 
 
 def _reference(target, prompts):
