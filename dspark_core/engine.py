@@ -43,7 +43,6 @@ from .verifier import PrefillItem, StepResult, Verifier, VerifyItem
 
 # log-width of the buckets in which the drafting-time EMA shares a derived cost table (~5%)
 _OVERHEAD_BUCKET = 0.05
-DRAFT_WINDOW = scheduling.DRAFT_WINDOW
 
 log = logging.getLogger("dspark.engine")
 
@@ -116,7 +115,7 @@ class EngineConfig:
     # the measurements: SmolLM2 + DSpark, 64 held-out code prompts, greedy tau 2.347 -> 2.353 at 128), while a
     # request's first drafting pass (and, in distributed serving, its prefill reply) no longer grows with its
     # prompt: what a probe of a gated request costs at high concurrency.
-    draft_window: int | None = DRAFT_WINDOW
+    draft_window: int | None = scheduling.DRAFT_WINDOW
 
     def __post_init__(self):
         object.__setattr__(self, "policy", scheduling.policy_spec(self.policy).name)  # aliases -> the name

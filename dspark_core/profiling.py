@@ -115,9 +115,9 @@ def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float
     measured SmolLM2's B = 1 at half its speed, and the monotone fit then flattened 1 .. 4 tokens to it), and,
     budget left, the 8- and 32-request rows (R sequences verifying 1 .. `block` tokens each: a step at
     concurrency R). Without them a step of 8 requests x 2 tokens was priced as 16 sequences of one token (twice
-    the attention): SmolLM2, 16 tokens 37 ms in the plain table against 31 ms in the 8-request row, and the
+    the attention): SmolLM2, 8 -> 16 tokens +58% in the plain table against ~+33% in the 8-request row, and the
     causal policy at concurrency 8 verified 0.1-0.2 drafts a request where gamma1 showed one paying
-    (docs/results/smollm2/README.md, "The drafter's context window").
+    (docs/results/smollm2/README.md, "The quick cost table's 8- and 32-request rows").
 
     Bounded: once `budget_s` seconds are spent, the sizes measured so far make the table (at least B = 1;
     `SpsTable` extrapolates beyond its last point). Returns a monotone `SpsTable`; `dspark profile` measures
@@ -138,12 +138,15 @@ def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float
     t0 = time.perf_counter()
     bench = VerifyStepBench(target, context_length=min(256, max(1, target.max_context // 4)), block=block,
                             max_sequences=min(32, max_tokens))
-    measured, speeds, row, more = [], [], None, []
+    meta = dict(device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
+                context_length=bench.context_length, model=target.name, weights=getattr(target, "weights", None),
+                kernels=kernels_in_use(target))
+    measured, speeds, rows = [], [], []
     try:
         while time.perf_counter() - t0 < min(0.5, budget_s / 10):
             bench(1)  # warm-up: one-time costs (kernels, allocations, caches) out of the timed passes
         one = list(range(1, min(block, max_tokens) + 1))
-        row = profile_sps(lambda n: bench(n, requests=1), one, repeats=repeats, warmup=1)
+        rows.append((1, profile_sps(lambda n: bench(n, requests=1), one, repeats=repeats, warmup=1, **meta)))
         for b in sizes:
             speeds.append(profile_sps(bench, [b], repeats=repeats, warmup=1).steps_per_second[0])
             measured.append(b)
@@ -152,13 +155,9 @@ def quick_sps_table(target: TargetRuntime, max_tokens: int = 64, budget_s: float
         for r, bs in requests_grid([r for r in QUICK_ROWS if r <= bench.max_sequences], block, points=5).items():
             if time.perf_counter() - t0 > budget_s:
                 break
-            more.append((r, monotone(profile_sps(lambda n, r=r: bench(n, requests=r), bs, repeats=repeats,
-                                                 warmup=1))))
+            rows.append((r, profile_sps(lambda n, r=r: bench(n, requests=r), bs, repeats=repeats, warmup=1,
+                                        **meta)))
     finally:
         bench.close()
-    meta = dict(device=str(target.device), dtype=str(target.dtype).replace("torch.", ""),
-                context_length=bench.context_length, model=target.name, weights=getattr(target, "weights", None),
-                kernels=kernels_in_use(target))
-    rows = ((1, SpsTable(row.batch_sizes, row.steps_per_second, **meta)),) if row is not None else ()
-    rows += tuple((r, SpsTable(t.batch_sizes, t.steps_per_second, **meta)) for r, t in more)
-    return monotone(SpsTable(tuple(measured), tuple(speeds), by_requests=rows or None, **meta))
+    # monotone() makes the rows monotone too
+    return monotone(SpsTable(tuple(measured), tuple(speeds), by_requests=tuple(rows) or None, **meta))

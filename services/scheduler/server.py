@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark_core.cost_model import SpsTable
-from dspark_core.engine import DRAFT_WINDOW, Engine, EngineConfig
+from dspark_core.engine import Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
-from dspark_core.scheduling import policy_spec
+from dspark_core.scheduling import DRAFT_WINDOW, policy_spec
 from dspark_protos.dspark.v1 import (drafter_service_pb2_grpc, scheduler_service_pb2, scheduler_service_pb2_grpc,
                                      verifier_service_pb2_grpc)
 

@@ -12,9 +12,10 @@ import torch
 
 from dspark_core.drafters import load_drafter
 from dspark_core.drafters.base import ProposeItem
-from dspark_core.engine import DRAFT_WINDOW, Engine, EngineConfig
+from dspark_core.engine import Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
 from dspark_core.sampling import SamplingParams
+from dspark_core.scheduling import DRAFT_WINDOW
 from dspark_core.verifier import PrefillItem, Verifier
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
