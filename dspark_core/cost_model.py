@@ -20,7 +20,7 @@ import statistics
 import time
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -599,14 +599,22 @@ class OnlineSpsTable:
         lo, hi = self.knots[i - 1], self.knots[i]
         return i - 1 if math.log(b / lo) <= math.log(hi / b) else i
 
-    def observe(self, tokens: int, seconds: float, context_length: float | None = None) -> bool:
+    def observe(self, tokens: int, seconds: float, context_length: float | None = None,
+                requests: int | None = None) -> bool:
         """One real forward pass carrying `tokens` tokens took `seconds`; `context_length`: mean context per
-        request in it. Returns whether the sample entered the table (False: rejected as an outlier)."""
+        request in it; `requests`: how many sequences carried them (None: as many as tokens, the plain curve's
+        shape). The pass is compared with the prior's prediction for that shape (its row for `requests` when
+        it has rows): one request verifying 8 tokens costs far less than 8 requests' one-token pass, and
+        filing it against the latter read as the machine having become faster at every size. Returns whether
+        the sample entered the table (False: rejected as an outlier)."""
         self.observations += 1
         if not _is_int(tokens) or tokens < 1 or not _is_real(seconds) or not math.isfinite(seconds) or seconds <= 0:
             self.rejected += 1
             return False
-        ratio = seconds / self.prior.step_time(tokens)
+        prior = self.prior
+        if requests is not None and prior.by_requests and _is_int(requests) and 1 <= requests <= tokens:
+            prior = prior.for_requests(requests)
+        ratio = seconds / prior.step_time(tokens)
         bi, ki = self.bucket(context_length), self._knot(tokens)
         window = self._ratios[bi][ki]
         if not 1.0 / self.max_ratio <= ratio <= self.max_ratio:
@@ -710,3 +718,44 @@ class OnlineSpsTable:
         """[[batch size, steps per second], ...] of the live table (what a pod publishes in Redis)."""
         t = self.table(context_length)
         return [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
+
+    def row_points(self, context_length: float | None = None) -> dict[str, list[list[float]]]:
+        """{requests: [[batch size, steps per second], ...]} of the live table's request rows (empty when the
+        prior has none), keyed as `table_from_points` reads them."""
+        return {str(r): [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
+                for r, t in self.table(context_length).by_requests or ()}
+
+
+def table_from_points(points: Sequence[Sequence[float]], rows: Mapping[str, Sequence[Sequence[float]]] | None = None
+                      ) -> "SpsTable | None":
+    """An SpsTable from published points ([[batch size, steps per second], ...]) and request rows
+    ({requests: points}; a pod's `OnlineSpsTable.points` / `row_points`), None without points. Rows that do
+    not make a valid table (another pod's bad record) are left out: the plain curve alone is what a table
+    without rows has always been."""
+    if not points:
+        return None
+    table = SpsTable(tuple(int(b) for b, _ in points), tuple(float(s) for _, s in points))
+    good = []
+    for key, pts in (rows or {}).items():
+        r = _row_key(key)
+        if r is None or not pts:
+            continue
+        try:
+            good.append((r, SpsTable(tuple(int(b) for b, _ in pts), tuple(float(s) for _, s in pts))))
+        except (InvalidArgument, TypeError, ValueError):
+            continue
+    good.sort(key=lambda rt: rt[0])
+    if not good:
+        return table
+    try:
+        return SpsTable(table.batch_sizes, table.steps_per_second, by_requests=tuple(good))
+    except InvalidArgument:
+        return table
+
+
+def _row_key(key) -> int | None:
+    try:
+        r = int(key)
+    except (TypeError, ValueError):
+        return None
+    return r if r >= 1 else None

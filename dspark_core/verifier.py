@@ -98,9 +98,10 @@ def _listed(logprobs) -> list[TokenLogprob] | None:
 
 
 class Verifier:
-    """`on_forward(tokens, seconds, context_length)`, when set, is called after every verify pass with the
-    tokens it carried, its duration on `clock` (seconds; on an accelerator the pass is synchronised first)
-    and the mean context per request: what `dspark_core.cost_model.OnlineSpsTable.observe` takes."""
+    """`on_forward(tokens, seconds, context_length, requests)`, when set, is called after every verify pass
+    with the tokens it carried, its duration on `clock` (seconds; on an accelerator the pass is synchronised
+    first), the mean context per request and the number of requests: what
+    `dspark_core.cost_model.OnlineSpsTable.observe` takes."""
 
     def __init__(self, target: TargetRuntime, clock: Callable[[], float] = time.perf_counter,
                  isolate_seeded: bool = True):
@@ -108,7 +109,7 @@ class Verifier:
         self.isolate_seeded = isolate_seeded
         self._slots: dict[str, _Slot] = {}
         self.clock = clock
-        self.on_forward: Callable[[int, float, float], object] | None = None
+        self.on_forward: Callable[[int, float, float, int], object] | None = None
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._slots
@@ -257,7 +258,7 @@ class Verifier:
             if getattr(device, "type", None) == "cuda":
                 torch.cuda.synchronize(device)
             self.on_forward(sum(1 + len(it.draft.tokens) for it in items), self.clock() - t0,
-                            sum(it.anchor_pos for it in items) / len(items))
+                            sum(it.anchor_pos for it in items) / len(items), len(items))
         results = []
         for i, (it, s) in enumerate(zip(items, slots)):
             # the committed tokens before the anchor, then the anchor (it may be news to a resumed slot)

@@ -10,7 +10,7 @@ the proto field. Knows nothing about servers or Redis.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -351,12 +351,16 @@ class TargetInfo:
     tap_layer_ids: tuple[int, ...]
     sps_points: list
     tokenizer: object = None
+    # {requests: points} of the cost table's request rows (empty: the verifier published none)
+    sps_rows: dict = field(default_factory=dict)
 
 
 def target_info_from_proto(info: types_pb2.VerifierServiceGetInfoResponse) -> TargetInfo:
     return TargetInfo(info.model_name, info.vocab_size, info.max_context_length, info.hidden_size,
                       tuple(info.eos_token_ids), tuple(info.tap_layer_ids),
-                      [(p.num_tokens, p.steps_per_second) for p in info.sps_table.points])
+                      [(p.num_tokens, p.steps_per_second) for p in info.sps_table.points],
+                      sps_rows={str(r.num_requests): [(p.num_tokens, p.steps_per_second) for p in r.points]
+                                for r in info.sps_table.rows})
 
 
 def verify_result_to_proto(res: StepResult, num_layers: int, out: types_pb2.VerifyResult) -> None:

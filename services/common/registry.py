@@ -68,6 +68,9 @@ class PodRecord:
     # the mean context length of its latest passes (sps_context_length)
     sps_table: list = field(default_factory=list)
     sps_context_length: int = 0
+    # {requests: [[num_tokens, steps_per_second], ...]}: the same table's request rows (passes of that many
+    # requests sharing the tokens, as verify steps with drafts do); {} when it has none
+    sps_rows: dict = field(default_factory=dict)
     health: str = "SERVING"
     model: str = ""
     updated: float = 0.0

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark_core.cost_model import SpsTable
+from dspark_core.cost_model import SpsTable, table_from_points
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
 from dspark_core.scheduling import DRAFT_WINDOW, policy_spec
@@ -115,12 +115,6 @@ class SchedulerConfig:
             raise InvalidArgument("default_max_new_tokens", self.default_max_new_tokens, "must be >= 1")
 
 
-def _sps_from_points(points):
-    if not points:
-        return None
-    return SpsTable(tuple(int(b) for b, _ in points), tuple(float(s) for _, s in points))
-
-
 @dataclass
 class _Stack:
     """What the engine is built from (the engine itself is built by the EngineLoop, with its observer)."""
@@ -154,7 +148,7 @@ class SchedulerApp(ServingApp):
         self.frontend: Frontend | None = None
         self.http = None
         self.http_port: int | None = None
-        self._live_points: list | None = None
+        self._live_points: tuple | None = None  # (points, rows) the engine last took
 
     # -- engine construction (blocking; runs in a worker thread)
     def _engine_config(self, has_drafter: bool, has_sps: bool = True, online_sps: bool = False) -> EngineConfig:
@@ -249,7 +243,7 @@ class SchedulerApp(ServingApp):
                          getattr(drafter, "name", None), ecfg.policy,
                          info.eos_token_ids, c.default_max_new_tokens)
         self.remote_verifier = rv
-        return _Stack(info, drafter, ecfg, _sps_from_points(info.sps_points), rv, card, tokenizer)
+        return _Stack(info, drafter, ecfg, table_from_points(info.sps_points, info.sps_rows), rv, card, tokenizer)
 
     def _pods_capacity(self) -> dict:
         out: dict = {}
@@ -270,10 +264,13 @@ class SchedulerApp(ServingApp):
             out["demand"] = demand
             out["sps"] = {p.record.id: p.record.sps_table for p in list(self.verifiers.pods.values())
                           if p.record is not None}
-            live = next((pts for _, pts in sorted(out["sps"].items()) if pts), None)
+            rows = {p.record.id: p.record.sps_rows for p in list(self.verifiers.pods.values())
+                    if p.record is not None}
+            pod = next((vid for vid, pts in sorted(out["sps"].items()) if pts), None)
+            live = None if pod is None else (out["sps"][pod], rows.get(pod) or {})
             if live and live != self._live_points:  # the verifiers' live table (they measure every pass)
                 self._live_points = live
-                self.engine.sps = _sps_from_points(live)
+                self.engine.sps = table_from_points(*live)
         return out
 
     async def load(self) -> "SchedulerApp":

@@ -136,10 +136,6 @@ def startup_sps(target, target_dir: str, profile_budget_s: float, sps_file: str 
     return table
 
 
-def sps_points(table) -> list:
-    return [] if table is None else [[b, s] for b, s in zip(table.batch_sizes, table.steps_per_second)]
-
-
 class VerifierApp(PodLifecycle):
     def __init__(self, config: VerifierConfig):
         self._init_pod("verifier", config, SERVICE_NAME, config.verifier_id,
@@ -171,18 +167,18 @@ class VerifierApp(PodLifecycle):
 
     def record(self) -> PodRecord:
         s = self.servicer if self.servicer.verifier is not None else None
-        sps, sps_context = s.live_sps() if s else ([], 0)
+        sps, sps_context, sps_rows = s.live_sps() if s else ([], 0, {})
         return PodRecord(
             id=self.id, pool="verifier", address=advertise_address(self.config.advertise_host, self.port,
                                                                    self.config.advertise_address),
             capacity=self.config.max_active, active_requests=s.verifier.num_active if s else 0,
             tokens_per_step=s.tokens_per_step.value if s else 0.0, step_time_ewma_s=s.step_time.value if s else 0.0,
-            sps_table=sps, sps_context_length=sps_context, health="DRAINING" if self.grpc.draining else (
+            sps_table=sps, sps_context_length=sps_context, sps_rows=sps_rows, health="DRAINING" if self.grpc.draining else (
                 "SERVING" if s else "NOT_SERVING"), model=s.target.name if s else "")
 
     async def load(self) -> "VerifierApp":
         target, verifier, sps = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
-        self.servicer.attach(verifier, target, sps_points(sps))
+        self.servicer.attach(verifier, target, sps)
         await self.go_live()
         self.start_expiry(self.config.idle_ttl_s)
         log.info("verifier ready", extra={"id": self.id, "model": target.name, "port": self.port,

@@ -95,26 +95,27 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self._verify = Coalescer(self._verify_batch, executor, max_wait_s=coalesce_wait_s, wait_alone=wait_alone)
         self._prefill = Coalescer(self._prefill_batch, executor, max_wait_s=coalesce_wait_s)
 
-    def attach(self, verifier: Verifier, target: TargetRuntime, sps_points=()) -> None:
-        """Called once the model is loaded and warm; until then every RPC is UNAVAILABLE."""
+    def attach(self, verifier: Verifier, target: TargetRuntime, sps=None) -> None:
+        """Called once the model is loaded and warm; until then every RPC is UNAVAILABLE. `sps`: the pod's
+        profiled SpsTable (None: none), its request rows included."""
         self.verifier, self.target = verifier, target
         self.num_layers = len(target.config.tap_layer_ids)
         self.feature_dtype = wire_feature_dtype(self._feature_dtype_name, target.dtype, self._drafter_feature_dtype)
-        self.sps_points = [list(p) for p in sps_points]
+        self.sps_points = [] if sps is None else [[b, s] for b, s in zip(sps.batch_sizes, sps.steps_per_second)]
         metrics.ACTIVE_STATES.labels(service=_S).set(verifier.num_active)  # present (0) before any request
-        if self.sps_points:
-            from dspark_core.cost_model import OnlineSpsTable, SpsTable
+        if sps is not None:
+            from dspark_core.cost_model import OnlineSpsTable
 
-            prior = SpsTable(tuple(int(b) for b, _ in self.sps_points), tuple(float(s) for _, s in self.sps_points))
-            self.online_sps = OnlineSpsTable(prior)
+            self.online_sps = OnlineSpsTable(sps)
             verifier.on_forward = self.online_sps.observe
 
-    def live_sps(self) -> tuple[list, int]:
-        """The live table's points at the context length of the latest passes, and that context length."""
+    def live_sps(self) -> tuple[list, int, dict]:
+        """The live table's points at the context length of the latest passes, that context length, and its
+        request rows ({requests: points}; what a scheduler plans a pass of that many requests with)."""
         if self.online_sps is None:
-            return self.sps_points, 0
+            return self.sps_points, 0, {}
         ctx = self.online_sps.last_context
-        return self.online_sps.points(ctx), int(ctx)
+        return self.online_sps.points(ctx), int(ctx), self.online_sps.row_points(ctx)
 
     def close(self) -> None:
         self._verify.close()
@@ -351,6 +352,11 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
             max_context_length=t.max_context, feature_dtype=TORCH_TO_DTYPE[self.feature_dtype],
             eos_token_ids=list(t.eos_token_ids), max_batch_tokens=t.max_context * 16,
             max_active_requests=self.max_active)
-        for b, s in self.live_sps()[0]:
+        points, _, rows = self.live_sps()
+        for b, s in points:
             resp.sps_table.points.add(num_tokens=int(b), steps_per_second=float(s))
+        for r, pts in rows.items():
+            row = resp.sps_table.rows.add(num_requests=int(r))
+            for b, s in pts:
+                row.points.add(num_tokens=int(b), steps_per_second=float(s))
         return resp

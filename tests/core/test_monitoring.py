@@ -208,3 +208,22 @@ def test_online_platt_refit_composes_with_the_served_calibration():
     assert with_hist.history.weights == pytest.approx([w / f for w, f in zip(hist.weights, fit_t)])
     assert (with_hist.history.strength, with_hist.history.prior) == (4.0, 0.4)
     assert calib.history is None
+
+
+def test_a_pass_is_filed_against_the_prior_of_its_own_shape():
+    """One request verifying 8 tokens costs what the prior's one-request row says, far less than 8 requests'
+    one-token pass: observed at exactly the row's cost, the live table must stay the prior. Filed against
+    the plain curve it read as the machine having become ~2.4x faster at every size."""
+    row = SpsTable(batch_sizes=(1, 2, 4, 8), steps_per_second=(100, 98, 95, 85))
+    prior = SpsTable(batch_sizes=PRIOR.batch_sizes, steps_per_second=(100, 80, 60, 35, 20, 11, 6),
+                     by_requests=((1, row),))
+    live = OnlineSpsTable(prior, refresh_every=1)
+    for _ in range(9):
+        assert live.observe(8, row.step_time(8), requests=1)
+    assert live.correction(8) == pytest.approx(1.0)
+    assert live.table().for_requests(1)(8) == pytest.approx(85, rel=0.01)
+    assert live.table()(8) == pytest.approx(35, rel=0.01)
+    # a slower machine shows as such in both shapes
+    for _ in range(9):
+        live.observe(8, 1.5 * prior.step_time(8), requests=8)
+    assert live.table()(8) == pytest.approx(35 / 1.5, rel=0.01)

@@ -8,14 +8,16 @@ import json
 import shutil
 import time
 
-from dspark_core.cost_model import SpsTable
+from dspark_core.cost_model import SpsTable, table_from_points
 from dspark_core.monitoring import read_rounds
 from services.common import metrics
 from services.common.registry import Registry, RegistryConfig
 
 import svc_cluster as cluster
 
-PRIOR = SpsTable((1, 8, 16, 64), (100.0, 90.0, 60.0, 20.0))
+# the plain curve (B requests, one token each) and the one-request row (one request verifying B tokens)
+PRIOR = SpsTable((1, 8, 16, 64), (100.0, 90.0, 60.0, 20.0),
+                 by_requests=((1, SpsTable((1, 4, 8), (100.0, 97.0, 95.0))),))
 
 
 def _target_with_sps(fixtures_dir, tmp_path):
@@ -89,10 +91,24 @@ def test_verifier_publishes_its_live_cost_table_and_the_scheduler_adopts_it(aio,
         # the tiny fixture model is nowhere near the made-up prior: the published table is the measured one
         assert measured.accepted > 0
         assert live(1) == measured.table(measured.last_context)(1) and live(1) != PRIOR(1)
+        # its request rows too, corrected by the same passes: a scheduler plans a one-request step on the row
+        row = measured.table(measured.last_context).for_requests(1)
+        assert set(rec.sps_rows) == {"1"} and rec.sps_rows["1"] == [[b, x] for b, x in zip(row.batch_sizes,
+                                                                                          row.steps_per_second)]
         deadline = time.monotonic() + 5
         while s.engine.sps(1) != live(1) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert s.engine.sps(1) == live(1)  # the scheduler's policy reads the live table
+        assert s.engine.sps.for_requests(1)(8) == row(8) != s.engine.sps(8)
+        # GetInfo (what a scheduler starts from) carries the rows as well
+        from dspark_protos.dspark.v1 import types_pb2
+        from services.common.convert import target_info_from_proto
+
+        vs, vch = cluster.verifier_stub(v)
+        info = target_info_from_proto(vs.GetInfo(types_pb2.VerifierServiceGetInfoRequest()))
+        vch.close()
+        assert list(info.sps_rows) == ["1"] and len(info.sps_rows["1"]) == len(row.batch_sizes)
+        assert table_from_points(info.sps_points, info.sps_rows).for_requests(1).batch_sizes == row.batch_sizes
     finally:
         reg.close()
         cluster.stop(aio, s, v)

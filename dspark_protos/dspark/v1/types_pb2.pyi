@@ -495,10 +495,20 @@ class VerifierServiceGetInfoResponse(_message.Message):
     def __init__(self, verifier_id: _Optional[str] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tap_layer_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., feature_dtype: _Optional[_Union[Dtype, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_batch_tokens: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., sps_table: _Optional[_Union[SpsTable, _Mapping]] = ...) -> None: ...
 
 class SpsTable(_message.Message):
-    __slots__ = ("points",)
+    __slots__ = ("points", "rows")
     POINTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     points: _containers.RepeatedCompositeFieldContainer[SpsPoint]
-    def __init__(self, points: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[SpsRow]
+    def __init__(self, points: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[SpsRow, _Mapping]]] = ...) -> None: ...
+
+class SpsRow(_message.Message):
+    __slots__ = ("num_requests", "points")
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    points: _containers.RepeatedCompositeFieldContainer[SpsPoint]
+    def __init__(self, num_requests: _Optional[int] = ..., points: _Optional[_Iterable[_Union[SpsPoint, _Mapping]]] = ...) -> None: ...
 
 class SpsPoint(_message.Message):
     __slots__ = ("num_tokens", "steps_per_second")
