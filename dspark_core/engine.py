@@ -27,7 +27,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -349,6 +349,10 @@ class Engine:
         if scheduling.policy_spec(config.policy).needs_sps and sps is None:
             raise InvalidArgument("policy", config.policy, "needs the target's SPS cost table (run `dspark profile`)")
         self._draft_seconds = 0.0
+        # moving average of what a step spends on verification beyond the cost table's forward pass (the
+        # verify call's transport to a verifier pod, acceptance, committing): a fixed cost of every step,
+        # drafted or not, that the drafts of a round amortise (see _note_step_overhead)
+        self._step_overhead = 0.0
         self._draft_steady = False  # a drafting pass without catch-up has been timed (see _schedule)
         self._waits_for_kv = False  # the queue's head was refused for KV room (see _admit)
         self._sps_cache: dict = {}
@@ -396,14 +400,17 @@ class Engine:
     def _sps_for(self, requests: int):
         """The cost curve of this step: a table's row for `requests` requests when it has rows, plus the
         step's fixed cost outside the forward pass (the drafter's recent time, `_draft_seconds`), so that
-        the policy maximises tokens per second of the whole step, not of the verify pass alone. The step
-        time is measured, never read from the drafts, so the decision stays independent of the draft tokens.
+        the policy maximises tokens per second of the whole step, not of the verify pass alone; and what the
+        step's verification costs beyond the table's forward pass (`_step_overhead`: a verifier pod's transport,
+        acceptance, committing). Both are measured, never read from the drafts, so the decision stays
+        independent of the draft tokens.
         """
         table = self._table_for(requests)
-        if not isinstance(table, SpsTable) or not self.config.count_draft_time or self._draft_seconds <= 0:
+        fixed = self._draft_seconds + max(0.0, self._step_overhead)
+        if not isinstance(table, SpsTable) or not self.config.count_draft_time or fixed <= 0:
             return table
         # a few percent steps of overhead share one derived table per request count (the EMA moves every step)
-        key = (requests, round(math.log(self._draft_seconds) / _OVERHEAD_BUCKET))
+        key = (requests, round(math.log(fixed) / _OVERHEAD_BUCKET))
         cached = self._sps_cache.get(key)
         if cached is None:
             if len(self._sps_cache) > 256:
@@ -636,7 +643,9 @@ class Engine:
                 if len(idx) == len(reqs):
                     drafts, confs = self._draft(reqs, rec)
                 elif idx:  # the others verify their anchor alone; their drafter catches up when they draft again
-                    sub_drafts, sub_confs = self._draft([reqs[i] for i in idx], rec)
+                    drafted = set(idx)
+                    sub_drafts, sub_confs = self._draft(
+                        [reqs[i] for i in idx], rec, [r.request_id for i, r in enumerate(reqs) if i not in drafted])
                     drafts, confs = list(drafts), [[] for _ in reqs]
                     for j, i in enumerate(idx):
                         drafts[i], confs[i] = sub_drafts[j], sub_confs[j]
@@ -644,10 +653,13 @@ class Engine:
                 self.num_skipped_drafts += len(reqs)
         rec.lengths = [len(d.tokens) for d in drafts]
         items = [VerifyItem(r.request_id, r.anchor, r.anchor_pos, d) for r, d in zip(reqs, drafts)]
+        t_verify = time.perf_counter()
+        failed = False
         with rec.stage("verify"):
             try:
                 results = self.verifier.verify(items)
             except Exception as exc:  # noqa: BLE001 - isolate the requests at fault
+                failed = True
                 results = self._isolate(self.verifier.verify, items, exc)
         for req, draft, res in zip(reqs, drafts, results):
             if isinstance(res, BaseException):
@@ -666,6 +678,20 @@ class Engine:
         self.last_rounds = []
         if confs is not None:
             self._observe(reqs, drafts, confs, results)
+        if not failed:
+            self._note_step_overhead(len(reqs), sum(1 + n for n in rec.lengths), time.perf_counter() - t_verify)
+
+    def _note_step_overhead(self, requests: int, tokens: int, seconds: float) -> None:
+        """Fold one step's verification time (the verify call to the end of its commit) into the moving
+        average of what it spends beyond the cost table's forward pass for that many tokens. Only while the
+        policy reads a table; a table dearer than the real pass gives negative samples, counted as 0."""
+        if not self._policy_reads_sps or self.sps is None:
+            return
+        try:
+            forward = 1.0 / sps_callable(self._table_for(requests))(tokens)
+        except InvalidArgument:  # a caller's table that does not reach this size
+            return
+        self._step_overhead = 0.9 * self._step_overhead + 0.1 * (seconds - forward)
 
     def _observe(self, reqs, drafts, confs, results) -> None:
         """Feed the verified rounds to the calibration monitor and the collapse detector."""
@@ -700,8 +726,10 @@ class Engine:
                 else:
                     log.info("drafter %s recovered; speculation resumes", name, extra=detail)
 
-    def _draft(self, reqs: list[RequestState], rec: "_StepLog") -> tuple[list[DraftBlock], list[list[float]]]:
-        """One batched propose; returns the verify blocks and the confidences the policy read."""
+    def _draft(self, reqs: list[RequestState], rec: "_StepLog", undrafted: Sequence[str] = ()
+               ) -> tuple[list[DraftBlock], list[list[float]]]:
+        """One batched propose; returns the verify blocks and the confidences the policy read. `undrafted`: the
+        ids of the step's other requests (gated: they verify their anchor alone in the same pass)."""
         items = []
         for r in reqs:
             items.append(ProposeItem(
@@ -727,10 +755,10 @@ class Engine:
             r.pending_start, r.pending_tokens = r.anchor_pos, []
         rec.proposals = proposals
         with rec.stage("schedule"):
-            return self._schedule(reqs, proposals, rec, elapsed, catch_up)
+            return self._schedule(reqs, proposals, rec, elapsed, catch_up, undrafted)
 
-    def _schedule(self, reqs, proposals, rec: "_StepLog", elapsed: float, catch_up: bool = False
-                  ) -> tuple[list[DraftBlock], list[list[float]]]:
+    def _schedule(self, reqs, proposals, rec: "_StepLog", elapsed: float, catch_up: bool = False,
+                  undrafted: Sequence[str] = ()) -> tuple[list[DraftBlock], list[list[float]]]:
         """The policy's lengths and the verify blocks of one drafted round."""
         gamma = self.block_size
         confs = []
@@ -749,7 +777,11 @@ class Engine:
                     g = hist.offset(r.history_rounds, r.history_accepted, r.history_confidence)
                     c = [_shift_logit(x, w * g) for x, w in zip(c, hist.weights)]
             confs.append(c)
-        lengths = self._lengths(confs, [r.request_id for r in reqs])
+        # the policy plans the whole pass: the undrafted requests' anchors are in it (rows with no candidate).
+        # Planned with the drafted requests alone, a step where most requests are gated priced its drafts on
+        # the curve of a far smaller batch (a steeper one per token), so its few probes verified too little
+        lengths = self._lengths(confs + [[] for _ in undrafted],
+                                [r.request_id for r in reqs] + list(undrafted))[:len(reqs)]
         # exponential moving average of the drafting time per step (the policies' fixed per-step cost), updated
         # after this step's schedule: a decision only ever sees earlier steps' timings. A catch-up pass (above)
         # is not what the next rounds' drafting costs: it counts only until a steady pass has been timed.
@@ -801,7 +833,8 @@ class Engine:
             without = [1.0 / sps(total - l) for l in lengths]
         except InvalidArgument:  # a caller's table that does not reach these sizes: no gating
             return
-        rate = pass_requests / t_ar  # tokens per second of the same step without drafts
+        # tokens per second of the same step without drafts (which pays the step's verification overhead too)
+        rate = pass_requests / (t_ar + max(0.0, self._step_overhead))
         share = draft_seconds / max(len(reqs), 1)
         cfg = self.config
         for r, c, l, t_without in zip(reqs, confs, lengths, without):

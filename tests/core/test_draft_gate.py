@@ -167,3 +167,71 @@ def test_a_gated_backlog_waits_in_the_precision_the_drafter_reads(tmp_path):
     ar.run()
     assert engine.num_gated_drafts > 0 and dtypes == {torch.bfloat16}
     assert [engine.pop(r).output_ids for r in ids] == [ar.pop(r).output_ids for r in ar_ids]
+
+
+def test_the_policy_plans_the_whole_pass_when_some_requests_are_gated(stack):
+    """A step where some requests are gated still verifies their anchors in the same pass: the policy must
+    price the drafts on that pass (one row per request, the gated ones empty), not on a batch of the drafted
+    requests alone (a smaller batch's steeper curve, which shortened the probes)."""
+    from dspark_core import scheduling
+
+    target, drafter = stack
+    causal = scheduling.make_policy("causal")
+    planned = {}  # step -> (rows, empty rows, request ids)
+
+    def policy(confs, sps, request_ids):
+        planned[engine.num_steps] = (len(confs), sum(1 for c in confs if len(c) == 0), list(request_ids))
+        return causal(confs, sps, request_ids)
+
+    engine = Engine(target, drafter, EngineConfig(policy="causal", draft_gate_min=2, draft_gate_max=8), sps=STEEP,
+                    policy=policy)
+    passes = {}  # step -> request ids verified
+    verify = engine.verifier.verify
+
+    def recording_verify(items):
+        passes[engine.num_steps] = [i.request_id for i in items]
+        return verify(items)
+
+    engine.verifier.verify = recording_verify
+    for i, text in enumerate(PROMPTS):  # admitted a few steps apart: their gates reach different skip lengths
+        engine.add_request(target.tokenizer.encode(text, add_special_tokens=False),
+                           SamplingParams(temperature=0.0, max_new_tokens=48, seed=i))
+        for _ in range(5):
+            engine.step()
+    engine.run()
+    mixed = [s for s, (_, empty, _) in planned.items() if empty]
+    assert mixed, "no step had gated and drafting requests together"
+    for s, (rows, empty, ids) in planned.items():
+        assert rows == len(passes[s]) and sorted(ids) == sorted(passes[s])  # every request of the pass, once
+
+
+def test_verification_time_beyond_the_tables_forward_is_a_fixed_cost_of_every_step(stack):
+    """A verifier pod's transport (here a 30 ms sleep in every verify call) is paid by every step, drafted or
+    not, and the drafts of a round amortise it: the engine measures it against the table's forward time and
+    adds it, with the drafting time, to the curve the policy plans on (and to the gate's plain step)."""
+    import time as _time
+
+    target, drafter = stack
+    table = SpsTable.load(REPO / "models" / "target" / "sps.json")
+
+    def run(delay):
+        engine = Engine(target, drafter, EngineConfig(policy="causal", gate_drafts=False), sps=table)
+        verify = engine.verifier.verify
+
+        def slow_verify(items):
+            _time.sleep(delay)
+            return verify(items)
+
+        engine.verifier.verify = slow_verify
+        for i, text in enumerate(PROMPTS):
+            engine.add_request(target.tokenizer.encode(text, add_special_tokens=False),
+                               SamplingParams(temperature=0.0, max_new_tokens=24, seed=i))
+        for _ in range(20):
+            engine.step()
+        return engine
+
+    quick, slow = run(0.0), run(0.03)
+    assert 0.015 < slow._step_overhead - quick._step_overhead < 0.05
+    r = len(slow.active)
+    fixed = 1.0 / slow._sps_for(r)(r) - 1.0 / table.for_requests(r)(r)
+    assert fixed == pytest.approx(slow._draft_seconds + slow._step_overhead, rel=0.1)
