@@ -81,6 +81,11 @@ def add_parser(sub) -> None:
                    help="the drafter's request-history recalibration (calibration.json request_history): on "
                         "(default), off, or both: every confidence policy also runs without it, as "
                         "<policy>/no-history, interleaved in the same run")
+    p.add_argument("--draft-gate", choices=("on", "off", "both"), default="on",
+                   help="the engine's draft gate (a request whose drafts do not pay for themselves decodes "
+                        "autoregressively for a while): on (default), off, or both: causal / async also run "
+                        "without it, as <policy>/no-gate, interleaved in the same run (draft_gate_vs_off in the "
+                        "JSON)")
     add_target_arg(p)
     p.add_argument("--drafter", default="auto", choices=DRAFTER_CHOICES,
                    help="shipped drafter (default auto = dspark)")
@@ -127,6 +132,7 @@ def check_args(args):
             raise InvalidArgument("--policy", args.policy, "must name one policy with --distributed (each deployment's "
                                                            "scheduler runs one)")
         for flag, given in (("--plot", args.plot), ("--profile-sps", args.profile_sps),
+                            ("--draft-gate", args.draft_gate != "on" and args.draft_gate),
                             ("--llamacpp-gguf", args.llamacpp_gguf), ("--hf-assistant", args.hf_assistant)):
             if given:
                 raise InvalidArgument(flag, given, "does not apply with --distributed (the services run the policy "
@@ -161,7 +167,7 @@ def check_args(args):
     return BenchSettings(policies=tuple(policies), concurrencies=tuple(concurrencies),
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          block_size=args.block_size, seed=args.seed, request_history=args.request_history,
-                         draft_window=args.draft_window or None)
+                         draft_window=args.draft_window or None, draft_gate=args.draft_gate)
 
 
 def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
@@ -323,7 +329,7 @@ def run(args) -> int:
         "concurrency": list(settings.concurrencies), "policies": list(settings.policies),
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
         "seed": args.seed, "sps": sps_source, "device": str(target.device), "prompts": source,
-        "draft_window": settings.draft_window,
+        "draft_window": settings.draft_window, "draft_gate": settings.draft_gate,
         "sps_table": ({"batch_sizes": list(sps.batch_sizes), "steps_per_second": [round(v, 3) for v in sps.steps_per_second]}
                       if hasattr(sps, "batch_sizes") else None),
         "hf": hf_config,
@@ -444,6 +450,10 @@ def human_summary(r: dict) -> str:
     if rh:
         lines.append("batch-1 request history on / off (paired): " + ", ".join(f"{p} {_fmt(v, '.3f', 'x')}"
                                                                            for p, v in rh.items()))
+    dg = r.get("draft_gate_vs_off") or {}
+    if dg:
+        lines.append("draft gate on / off (aggregate; c=1 paired): " + "; ".join(
+            f"{p} " + ", ".join(f"c={c} {_fmt(v, '.3f', 'x')}" for c, v in by_c.items()) for p, by_c in dg.items()))
     cv = r.get("causal_vs_best_static") or {}
     if any(v is not None for v in cv.values()):
         lines.append("causal / best static aggregate: " + ", ".join(f"c={c} {_fmt(v)}" for c, v in cv.items()))

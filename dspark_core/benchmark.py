@@ -65,6 +65,9 @@ class BenchSettings:
     request_history: str = "on"
     # EngineConfig.draft_window of every drafted point (None: the drafter reads the whole prompt)
     draft_window: int | None = DRAFT_WINDOW
+    # the engine's draft gate (EngineConfig.gate_drafts): "on", "off", or "both" (each cost-reading policy also
+    # runs without it, as "<policy>/no-gate", interleaved in the same run)
+    draft_gate: str = "on"
 
     def __post_init__(self):
         if not self.policies:
@@ -78,6 +81,8 @@ class BenchSettings:
             raise InvalidArgument("repeats", self.repeats, "must be >= 1")
         if self.request_history not in ("on", "off", "both"):
             raise InvalidArgument("request_history", self.request_history, "must be 'on', 'off' or 'both'")
+        if self.draft_gate not in ("on", "off", "both"):
+            raise InvalidArgument("draft_gate", self.draft_gate, "must be 'on', 'off' or 'both'")
         if self.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens", self.max_new_tokens, "must be >= 1")
 
@@ -247,14 +252,18 @@ def _record(req, prompt_index: int, t_add: float, t_done: float) -> RequestRecor
 
 
 NO_HISTORY = "/no-history"  # a policy run without the request-history recalibration (BenchSettings.request_history)
+NO_GATE = "/no-gate"  # a policy run without the draft gate (BenchSettings.draft_gate)
 
 
 def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchSettings, sps):
     from .engine import Engine, EngineConfig
 
     history = settings.request_history != "off"
+    gate = settings.draft_gate != "off"
     if policy.endswith(NO_HISTORY):
         policy, history = policy[:-len(NO_HISTORY)], False
+    elif policy.endswith(NO_GATE):
+        policy, gate = policy[:-len(NO_GATE)], False
     if policy == "ar":
         drafter = None
     from .cost_model import SpsTable
@@ -266,7 +275,8 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
     return Engine(target, drafter, EngineConfig(policy=policy, block_size=settings.block_size,
                                                 max_active=concurrency, max_waiting=max(1024, concurrency),
                                                 online_sps=online, isolate_seeded=False,
-                                                request_history=history, draft_window=settings.draft_window),
+                                                request_history=history, draft_window=settings.draft_window,
+                                                gate_drafts=gate),
                   sps=sps if policy in SPS_POLICIES else None)
 
 
@@ -351,19 +361,21 @@ def hf_generate(peer: HFPeer, mode: str, prompt_ids: Sequence[int], max_new_toke
     return out[0, x.shape[1]:].tolist(), dt
 
 
-def with_history_variants(settings: BenchSettings, policies: Sequence[str]) -> list[str]:
+def with_variants(settings: BenchSettings, policies: Sequence[str]) -> list[str]:
     """`policies`, plus "<policy>/no-history" for each confidence policy when `settings.request_history` is
-    "both"."""
+    "both", and "<policy>/no-gate" for each cost-reading policy (the gate's) when `settings.draft_gate` is."""
     out = list(policies)
     if settings.request_history == "both":
         out += [p + NO_HISTORY for p in policies if p in CONFIDENCE_POLICIES]
+    if settings.draft_gate == "both":
+        out += [p + NO_GATE for p in policies if p in SPS_POLICIES]
     return out
 
 
 def total_requests(settings: BenchSettings, num_prompts: int, policies: Sequence[str], hf_modes: Sequence[str],
                    llamacpp_modes: Sequence[str] = ()) -> int:
     """How many requests a run serves (for a progress bar)."""
-    policies = with_history_variants(settings, policies)
+    policies = with_variants(settings, policies)
     n = 0
     for c in settings.concurrencies:
         if c == 1:
@@ -437,7 +449,7 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
     if not prompts:
         raise InvalidArgument("prompts", prompts, "must hold at least one prompt")
     policies, hf_modes, warnings = plan(settings, drafter, sps, hf)
-    policies = with_history_variants(settings, policies)
+    policies = with_variants(settings, policies)
     lc_modes, lc_warnings = plan_llamacpp(settings, llamacpp)
     warnings += lc_warnings + repeated_prompt_warnings(settings, len(prompts))
     stop = tuple(getattr(target, "eos_token_ids", ()) or ())
@@ -532,6 +544,18 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
     if settings.request_history == "both" and batch1:
         out["request_history_vs_off_batch1"] = {p[:-len(NO_HISTORY)]: paired_ratio(batch1, p[:-len(NO_HISTORY)], p)
                                                 for p in policies if p.endswith(NO_HISTORY)}
+    if settings.draft_gate == "both":
+        # per concurrency: aggregate tokens/s with the gate over without it (batch 1: the paired per-prompt ratio)
+        by_point = {(pt["policy"], pt["concurrency"]): pt["aggregate_tokens_per_s"] for pt in results}
+        gate_vs = {}
+        for p in policies:
+            if not p.endswith(NO_GATE):
+                continue
+            base = p[:-len(NO_GATE)]
+            gate_vs[base] = {str(c): (paired_ratio(batch1, base, p) if c == 1 and batch1 else
+                                      round(by_point[(base, c)] / max(by_point[(p, c)], 1e-9), 4))
+                             for c in settings.concurrencies}
+        out["draft_gate_vs_off"] = gate_vs
     if hf_modes:
         out["hf"] = {m: round(_rate([r for _, _, r in batch1[f"hf_{m}"]]), 3) for m in hf_modes}
         out["hf_per_request_median"] = {m: round(statistics.median(r.tokens_per_s for _, _, r in batch1[f"hf_{m}"]), 3)
