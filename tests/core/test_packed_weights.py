@@ -100,24 +100,25 @@ def test_q8dot_products_are_exact_integer_dots_of_block_quantized_activations(qt
 AMX = NO_Q8DOT is None and amx_rows(16)
 
 
+# one test (one skip on a CPU without AMX, not one per case): 3 GGUF types x 3 shapes
 @pytest.mark.skipif(not AMX, reason="needs our kernels' AMX tile path (an Intel CPU with AMX, Linux granting it)")
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("n,k", [(48, 96), (960, 576), (576, 1536)])
-def test_the_amx_tile_path_gives_every_row_the_one_row_kernels_bits(qtype, n, k):
+def test_the_amx_tile_path_gives_every_row_the_one_row_kernels_bits():
     """Products of 8 rows or more run on the tile unit where the CPU has one; each row's output must be the bits
     the one-row (vpdpbusd) kernel gives it, at row counts inside one 16-row tile, at its edge and past it (the
     zero-padded last tile), with zero rows, a zero block and a huge row among them."""
     assert amx_rows(8) and not amx_rows(1)  # the reference below is the other path
-    torch.manual_seed(3)
-    raw = _blocks(torch.randn(n, k) * 0.05, Q[qtype])
-    lin = gguf_linear(raw, qtype, (n, k), kernel="q8dot")
-    for rows in (8, 15, 16, 17, 40):
-        x = torch.randn(rows, k) * 3
-        x[1] = 0.0
-        x[2, 32:64] = 0.0
-        x[-1] *= 1e4
-        alone = torch.cat([lin(x[i:i + 1].contiguous()) for i in range(rows)])
-        assert torch.equal(lin(x), alone), (rows, (lin(x) - alone).abs().max())
+    for qtype in ("Q4_0", "Q4_1", "Q8_0"):
+        for n, k in ((48, 96), (960, 576), (576, 1536)):
+            torch.manual_seed(3)
+            raw = _blocks(torch.randn(n, k) * 0.05, Q[qtype])
+            lin = gguf_linear(raw, qtype, (n, k), kernel="q8dot")
+            for rows in (8, 15, 16, 17, 40):
+                x = torch.randn(rows, k) * 3
+                x[1] = 0.0
+                x[2, 32:64] = 0.0
+                x[-1] *= 1e4
+                alone = torch.cat([lin(x[i:i + 1].contiguous()) for i in range(rows)])
+                assert torch.equal(lin(x), alone), (qtype, n, k, rows, (lin(x) - alone).abs().max())
 
 
 @pytest.mark.parametrize("fmt", [*PACKED, *(f"gguf-{q}-{k}" for q in ("Q4_0", "Q4_1", "Q8_0")
