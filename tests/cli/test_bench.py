@@ -67,6 +67,22 @@ def test_profile_sps_runs_causal_and_async_and_text_output(tiny_stack, capsys):
     assert "skipped" not in out  # the quick table is used; nothing skipped (2 prompts at c = 2: flagged, not skipped)
 
 
+def test_draft_gate_both_runs_each_cost_policy_without_the_gate_too(tiny_stack, capsys):
+    s = tiny_stack
+    rc = main(["bench", "--target", s["target"], "--drafter-path", s["drafter"], "--dataset", s["data"], "--split", "all",
+               "--no-hf", "--profile-sps", "--concurrency", "1,2", "--policy", "causal,fixed,ar", "--draft-gate", "both",
+               "--num-prompts", "2", "--max-new-tokens", "5", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    points = {(x["policy"], x["concurrency"]): x for x in r["results"]}
+    # only the cost-reading policy has a gate to turn off
+    assert set(points) == {(p, c) for p in ("causal", "causal/no-gate", "fixed", "ar") for c in (1, 2)}
+    assert all(x["outputs_match_ar"] is True for x in r["results"])
+    assert set(r["draft_gate_vs_off"]) == {"causal"} and set(r["draft_gate_vs_off"]["causal"]) == {"1", "2"}
+    assert all(v > 0 for v in r["draft_gate_vs_off"]["causal"].values())
+    assert r["config"]["draft_gate"] == "both"
+
+
 def test_a_dataset_gives_its_held_out_split_unless_split_all(tiny_target_dir, tmp_path):
     """The prompts `dspark train` distils are the other 80%: a bench on a dev file must not time a drafter on
     prompts it was trained on, so `--dataset` takes the held-out split (`--split all`: the file as given)."""
@@ -115,6 +131,7 @@ def test_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
     (["--profile-sps"], "--profile-sps"),
     (["--concurrency", "0"], "--concurrency"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--draft-gate", "both"], "--draft-gate"),  # the services' gate is the engine default
 ])
 def test_distributed_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
     rc = main(["bench", "--distributed", "--target", str(tiny_target_dir), *args])
