@@ -176,10 +176,11 @@ class SpsTable:
             raise InvalidArgument("overhead", seconds, "must be a finite number of seconds >= 0")
         if seconds == 0:
             return self
+        rows = None if not self.by_requests else tuple((r, t.with_overhead(seconds)) for r, t in self.by_requests)
         return SpsTable(batch_sizes=self.batch_sizes,
                         steps_per_second=tuple(1.0 / (t + seconds) for t in self._step_times),
                         device=self.device, dtype=self.dtype, context_length=self.context_length, model=self.model,
-                        weights=self.weights, kernels=self.kernels)
+                        weights=self.weights, kernels=self.kernels, by_requests=rows)
 
     def for_requests(self, r: int) -> "SpsTable":
         """SPS(B) of a pass that carries `r` requests' tokens (what a scheduler deciding one step knows).

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dspark_core.cost_model import SpsTable
 from dspark_core.engine import Engine, StepRecord
 from dspark_core.errors import DSparkError
 from dspark_core.sampling import SamplingParams
@@ -500,8 +501,13 @@ class EngineLoop:
             log.exception("load publication failed")
 
     def _engine_sps(self):
+        """The live table, each step time plus the verification overhead the engine measures beyond the forward
+        (a verifier pod's transport, 1.5-2 ms a step on loopback): a per-user speed planned without it is the
+        forward's alone."""
         eng = self.engine
-        return eng.online_sps.table(eng._mean_context()) if eng.online_sps is not None else eng.sps
+        sps = eng.online_sps.table(eng._mean_context()) if eng.online_sps is not None else eng.sps
+        overhead = max(0.0, getattr(eng, "_step_overhead", 0.0))
+        return sps.with_overhead(overhead) if isinstance(sps, SpsTable) and overhead > 0 else sps
 
     def _speed_plan(self, caps: dict, waiting: int):
         """The replicas that hold --target-user-tps at the current load (dspark_core.capacity), or None."""

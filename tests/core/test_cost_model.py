@@ -373,3 +373,12 @@ def test_with_overhead_adds_a_fixed_step_time():
     assert t.with_overhead(0) is t
     with pytest.raises(InvalidArgument, match="overhead"):
         t.with_overhead(-1.0)
+
+
+def test_with_overhead_keeps_the_request_rows_with_the_same_fixed_cost():
+    row = SpsTable(batch_sizes=(1, 8), steps_per_second=(100.0, 80.0))
+    t = SpsTable(batch_sizes=(1, 8), steps_per_second=(100.0, 50.0), by_requests=((1, row),))
+    slow = t.with_overhead(0.01)
+    # a one-request pass of 8 tokens: its row's 12.5 ms plus the overhead (not the plain curve's 20 ms)
+    assert slow.for_requests(1)(8) == pytest.approx(1 / 0.0225)
+    assert slow(8) == pytest.approx(1 / 0.03)

@@ -135,3 +135,11 @@ def test_the_scheduler_loop_publishes_the_larger_of_the_objective_and_the_reques
     loop.target_user_tps = None
     loop._publish_load()
     assert REGISTRY.get_sample_value("dspark_desired_replicas", {"pool": "verifier"}) == by_count
+    # verification overhead beyond the forward (a verifier pod's transport) slows every step: the predicted
+    # per-user speed counts it, so the objective asks for at least as many verifiers
+    loop.target_user_tps = 82.0
+    loop.engine._step_overhead = 0.05
+    loop._publish_load()
+    assert REGISTRY.get_sample_value("dspark_autoscale_predicted_user_tokens_per_second") == pytest.approx(
+        1.0 / (1.0 / SPS(150) + 0.05), rel=2e-3)  # (the table interpolates SPS between its points)
+    assert REGISTRY.get_sample_value("dspark_autoscale_required_replicas", {"pool": "verifier"}) >= want
