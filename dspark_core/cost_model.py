@@ -737,7 +737,7 @@ def table_from_points(points: Sequence[Sequence[float]], rows: Mapping[str, Sequ
         return None
     table = SpsTable(tuple(int(b) for b, _ in points), tuple(float(s) for _, s in points))
     good = []
-    for key, pts in (rows or {}).items():
+    for key, pts in (rows.items() if isinstance(rows, Mapping) else ()):
         r = _row_key(key)
         if r is None or not pts:
             continue

@@ -173,8 +173,9 @@ class VerifierApp(PodLifecycle):
                                                                    self.config.advertise_address),
             capacity=self.config.max_active, active_requests=s.verifier.num_active if s else 0,
             tokens_per_step=s.tokens_per_step.value if s else 0.0, step_time_ewma_s=s.step_time.value if s else 0.0,
-            sps_table=sps, sps_context_length=sps_context, sps_rows=sps_rows, health="DRAINING" if self.grpc.draining else (
-                "SERVING" if s else "NOT_SERVING"), model=s.target.name if s else "")
+            sps_table=sps, sps_context_length=sps_context, sps_rows=sps_rows,
+            health="DRAINING" if self.grpc.draining else ("SERVING" if s else "NOT_SERVING"),
+            model=s.target.name if s else "")
 
     async def load(self) -> "VerifierApp":
         target, verifier, sps = await asyncio.get_running_loop().run_in_executor(self.executor, self._load)

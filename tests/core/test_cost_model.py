@@ -382,3 +382,19 @@ def test_with_overhead_keeps_the_request_rows_with_the_same_fixed_cost():
     # a one-request pass of 8 tokens: its row's 12.5 ms plus the overhead (not the plain curve's 20 ms)
     assert slow.for_requests(1)(8) == pytest.approx(1 / 0.0225)
     assert slow(8) == pytest.approx(1 / 0.03)
+
+
+def test_a_published_table_keeps_its_valid_rows_and_leaves_out_bad_ones():
+    """What a scheduler reads from another pod's record: rows that do not make a table are left out, whatever
+    their shape, and the plain curve stands alone as a table without rows always has."""
+    from dspark_core.cost_model import table_from_points
+
+    points = [[1, 100.0], [8, 50.0]]
+    t = table_from_points(points, {"8": [[8, 50.0], [16, 40.0]], "1": [[1, 100.0], [8, 80.0]], "x": [[1, 2.0]],
+                                   "0": [[1, 5.0]], "2": [[1, "fast"]], "3": [[1, -5.0]], "4": []})
+    assert [r for r, _ in t.by_requests] == [1, 8] and t.for_requests(1)(8) == pytest.approx(80.0)
+    assert t(8) == pytest.approx(50.0)
+    for bad in (None, [], "rows", [[1, 2]], {"1": "x"}):
+        plain = table_from_points(points, bad)
+        assert plain.by_requests is None and plain(8) == pytest.approx(50.0)
+    assert table_from_points([], {"1": [[1, 1.0]]}) is None
