@@ -717,14 +717,16 @@ class OnlineSpsTable:
 
     def points(self, context_length: float | None = None) -> list[list[float]]:
         """[[batch size, steps per second], ...] of the live table (what a pod publishes in Redis)."""
-        t = self.table(context_length)
-        return [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
+        return _points(self.table(context_length))
 
     def row_points(self, context_length: float | None = None) -> dict[str, list[list[float]]]:
         """{requests: [[batch size, steps per second], ...]} of the live table's request rows (empty when the
         prior has none), keyed as `table_from_points` reads them."""
-        return {str(r): [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
-                for r, t in self.table(context_length).by_requests or ()}
+        return {str(r): _points(t) for r, t in self.table(context_length).by_requests or ()}
+
+
+def _points(t: SpsTable) -> list[list[float]]:
+    return [[b, s] for b, s in zip(t.batch_sizes, t.steps_per_second)]
 
 
 def table_from_points(points: Sequence[Sequence[float]], rows: Mapping[str, Sequence[Sequence[float]]] | None = None

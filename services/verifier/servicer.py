@@ -86,7 +86,6 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self.target: TargetRuntime | None = None
         self.verifier_id, self.executor, self.max_active = verifier_id, executor, max_active
         self.num_layers = 0
-        self.sps_points: list = []  # the profiled table (sps.json) the pod started from
         self.online_sps = None  # OnlineSpsTable: that table corrected by every verify pass, published live
         self.step_time, self.tokens_per_step = Ewma(), Ewma()
         # (caller + request id) -> last prefill / verify / resume; the Verifier's slots are keyed the same way
@@ -101,7 +100,6 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self.verifier, self.target = verifier, target
         self.num_layers = len(target.config.tap_layer_ids)
         self.feature_dtype = wire_feature_dtype(self._feature_dtype_name, target.dtype, self._drafter_feature_dtype)
-        self.sps_points = [] if sps is None else [[b, s] for b, s in zip(sps.batch_sizes, sps.steps_per_second)]
         metrics.ACTIVE_STATES.labels(service=_S).set(verifier.num_active)  # present (0) before any request
         if sps is not None:
             from dspark_core.cost_model import OnlineSpsTable
@@ -113,7 +111,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         """The live table's points at the context length of the latest passes, that context length, and its
         request rows ({requests: points}; what a scheduler plans a pass of that many requests with)."""
         if self.online_sps is None:
-            return self.sps_points, 0, {}
+            return [], 0, {}
         ctx = self.online_sps.last_context
         return self.online_sps.points(ctx), int(ctx), self.online_sps.row_points(ctx)
 
