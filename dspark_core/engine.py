@@ -26,7 +26,7 @@ import math
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -35,7 +35,7 @@ from . import scheduling
 from .cost_model import OnlineSpsTable, SpsTable, sps_callable
 from .drafters.base import DraftProcessing, Proposal, ProposeItem, context_dtype
 from .errors import InvalidArgument, NotFound, ResourceExhausted
-from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord
+from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord, SlotCorrection
 from .sampling import SamplingParams, TokenHistory, TokenLogprob, make_generator
 from .target import KVCacheFull, TargetRuntime
 from .verification import DraftBlock, couple_draft, process_draft
@@ -108,6 +108,15 @@ class EngineConfig:
     # request's confidences are corrected by how its own verified rounds compared with their predictions
     # (dspark_core.calibration.RequestHistory). Only lengths move; False uses the drafter's confidences as sent.
     request_history: bool = True
+    # learn the workload's level of the confidences online (monitoring.SlotCorrection): per kind of request and
+    # position, a logit offset moved after each verified round by `slot_correction_rate` x (outcome -
+    # prediction), added before the policy (and the request-history correction) reads them. Non-anticipating
+    # (earlier rounds only); only lengths move. Off by default: with the shipped SmolLM2 DSpark drafter on held-out
+    # code + math it measured neutral to negative (batch 1 paired on / off 1.013 greedy, 0.972 at T = 1 on an AMX
+    # Xeon; docs/results/smollm2/README.md, "Online slot correction"): the level it fixes is a few points, and at T = 1
+    # drafting does not pay on a CPU whatever the level. False reads the drafter's calibrated confidences as sent.
+    slot_correction: bool = False
+    slot_correction_rate: float = 0.02
     # the drafter's context of a request begins at most this many positions before its first anchor: the
     # verifier returns only the prompt's last `draft_window` positions' features and the drafter extends its
     # context over those alone (None: the whole prompt, the paper's loop). Every drafter input is a target
@@ -133,6 +142,9 @@ class EngineConfig:
             raise InvalidArgument("calibration_bound", self.calibration_bound, "must be in (0, 1] or None")
         if self.collapse_ratio is not None and not 0.0 < self.collapse_ratio < 1.0:
             raise InvalidArgument("collapse_ratio", self.collapse_ratio, "must be in (0, 1) or None")
+        r = self.slot_correction_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= 1.0:
+            raise InvalidArgument("slot_correction_rate", r, "must be a number in (0, 1]")
         if not 0.0 < self.draft_gate_margin <= 1.0:
             raise InvalidArgument("draft_gate_margin", self.draft_gate_margin, "must be in (0, 1]")
         w = self.draft_window
@@ -368,11 +380,18 @@ class Engine:
         if config.calibration_bound is not None and drafter is not None and drafter.has_confidence:
             self.calibration = CalibrationMonitor(self.block_size, bound=config.calibration_bound)
         self.collapse = CollapseDetector(ratio=config.collapse_ratio) if config.collapse_ratio is not None else None
+        self.correction: SlotCorrection | None = None
+        if (config.slot_correction and drafter is not None and drafter.has_confidence
+                and (policy is not None or spec.needs_confidence)):  # only a policy that reads them
+            self.correction = SlotCorrection(self.block_size, rate=config.slot_correction_rate)
         # what the monitors decided, for the services' metrics and logs: (kind, detail dict), drained by them
         # (the last 256 are kept when nobody drains them)
         self.events: deque[tuple[str, dict]] = deque(maxlen=256)
-        # rounds verified in the last step (RoundRecord per request that verified drafts)
+        # rounds verified in the last step (RoundRecord per request that verified drafts, with the confidences
+        # the policy read), and the same rounds with the drafter's calibrated confidences (without the online
+        # slot offsets; the same list when there are none)
         self.last_rounds: list[RoundRecord] = []
+        self.last_calibrated_rounds: list[RoundRecord] = []
         self.num_explored = 0  # steps run at a stale batch size for the online table
         self.num_fallback_steps = 0  # steps a confidence policy ran the fixed length (calibration off bound)
         self.num_skipped_drafts = 0  # request-rounds decoded autoregressively because the drafter collapsed
@@ -675,7 +694,7 @@ class Engine:
             self._commit(req, res, events)
         for req in reqs:
             req.slot1_confidence = None
-        self.last_rounds = []
+        self.last_rounds = self.last_calibrated_rounds = []
         if confs is not None:
             self._observe(reqs, drafts, confs, results)
         if not failed:
@@ -699,7 +718,16 @@ class Engine:
         rounds = [RoundRecord(name, tuple(c[:len(d.tokens)]), res.num_accepted, req.params.temperature == 0)
                   for req, d, c, res in zip(reqs, drafts, confs, results)
                   if d.tokens and not isinstance(res, BaseException)]
-        self.last_rounds = rounds
+        self.last_rounds = self.last_calibrated_rounds = rounds
+        if self.correction is not None:
+            # the drafter's own calibrated confidences (the workload offsets taken off again, before they move):
+            # what the collapse alarm weighs acceptance against (offsets learned from acceptance would follow a
+            # slow decay and hide it) and what `dspark calibrate --online` refits the drafter's calibration from
+            undo = self.correction.apply
+            self.last_calibrated_rounds = [replace(rec, confidences=tuple(undo(rec.confidences, rec.greedy, undo=True)))
+                                           for rec in rounds]
+            for rec in rounds:
+                self.correction.observe(rec)
         if self.calibration is not None:
             for rec in rounds:
                 changed = self.calibration.observe(rec)
@@ -715,7 +743,7 @@ class Engine:
                                     "fixed length until it is back", max(x for x in cal.excess() if x == x),
                                     detail["worst_position"], cal.bound, extra=detail)
         if self.collapse is not None:
-            changed = self.collapse.observe(name, rounds, self.num_steps)
+            changed = self.collapse.observe(name, self.last_calibrated_rounds, self.num_steps)
             if changed is not None:
                 detail = {"drafter": name, "collapsed": changed,
                           "acceptance_ratio": self.collapse.acceptance_ratio(name)}
@@ -769,6 +797,10 @@ class Engine:
                 confs.append([1.0] * len(p.tokens[:gamma]))
                 continue
             c = c[:gamma].tolist()
+            if self.correction is not None:
+                # the workload's level, learned from earlier rounds (before the request's own history, whose
+                # slot-1 record then measures the request against this corrected level)
+                c = self.correction.apply(c, r.params.temperature == 0)
             hist = history_of(r.params.temperature == 0) if history_of is not None and c else None
             if hist is not None:
                 # the request's own verified rounds correct every position (non-anticipating: earlier rounds)

@@ -227,3 +227,61 @@ def test_a_pass_is_filed_against_the_prior_of_its_own_shape():
     for _ in range(9):
         live.observe(8, 1.5 * prior.step_time(8), requests=8)
     assert live.table()(8) == pytest.approx(35 / 1.5, rel=0.01)
+
+
+def _true_rounds(rng, n, predicted, true_rates, greedy):
+    """Rounds verifying len(predicted) drafts; draft k survives (given the earlier ones did) with true_rates[k]."""
+    out = []
+    for _ in range(n):
+        acc = 0
+        while acc < len(true_rates) and rng.random() < true_rates[acc]:
+            acc += 1
+        out.append(RoundRecord("d", tuple(predicted), acc, greedy))
+    return out
+
+
+def test_slot_correction_learns_each_positions_level_per_kind():
+    from dspark_core.monitoring import SlotCorrection
+
+    rng = random.Random(1)
+    corr = SlotCorrection(4, rate=0.02)
+    raw = [0.5, 0.2, 0.6, 0.6]
+    truth_greedy, truth_sampled = [0.5, 0.35, 0.6, 0.6], [0.3, 0.2, 0.6, 0.6]
+    tail = {True: [], False: []}
+    for i in range(6000):
+        for greedy, truth in ((True, truth_greedy), (False, truth_sampled)):
+            # what the policy read: the raw confidences with the offsets learned so far
+            seen = corr.apply(raw, greedy)
+            (rec,) = _true_rounds(rng, 1, seen, truth, greedy)
+            corr.observe(rec)
+            if i >= 3000:
+                tail[greedy].append(seen)
+    # over the last half (SGD at a fixed rate keeps jittering around the level it learned)
+    g, s = ([sum(x[k] for x in tail[kind]) / len(tail[kind]) for k in range(4)] for kind in (True, False))
+    # the conditional level of every position converges to the truth (each kind on its own)
+    assert abs(g[0] - 0.5) < 0.03 and abs(g[1] - 0.35) < 0.04, g
+    assert abs(s[0] - 0.3) < 0.03 and abs(s[1] - 0.2) < 0.04, s
+    # slot 2 is seen only after slot 1 was accepted: ~half the greedy rounds, ~a third of the sampled ones
+    assert 0.4 < corr.observed[True][1] / corr.observed[True][0] < 0.6
+    assert 0.2 < corr.observed[False][1] / corr.observed[False][0] < 0.4
+    assert corr.offsets[True][1] > 0.4 and corr.offsets[False][0] < -0.5
+    # undo gives back what apply was given
+    assert corr.apply(corr.apply(raw, False), False, undo=True) == pytest.approx(raw, abs=1e-9)
+    snap = corr.snapshot()
+    assert snap["greedy"]["offsets"][1] == round(corr.offsets[True][1], 4)
+    assert snap["sampled"]["observed"][0] == 6000
+
+
+def test_slot_correction_is_clamped_and_skips_bad_rounds():
+    from dspark_core.monitoring import SlotCorrection
+
+    corr = SlotCorrection(2, rate=0.5, limit=1.0)
+    for _ in range(50):  # a drafter whose first draft is never accepted at confidence 0.9
+        corr.observe(RoundRecord("d", tuple(corr.apply([0.9, 0.9], False)), 0, False))
+    assert corr.offsets[False][0] == -1.0 and corr.offsets[False][1] == 0.0  # clamped; slot 2 never seen
+    assert corr.offsets[True] == [0.0, 0.0]
+    corr.observe(RoundRecord("d", (float("nan"), 0.5), 1, True))
+    assert corr.offsets[True] == [0.0, 0.0] and corr.observed[True] == [0, 0]
+    for bad in ({"gamma": 0}, {"gamma": 2, "rate": 0.0}, {"gamma": 2, "rate": 2.0}, {"gamma": 2, "limit": -1.0}):
+        with pytest.raises(InvalidArgument):
+            SlotCorrection(bad.pop("gamma"), **bad)

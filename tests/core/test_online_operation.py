@@ -6,6 +6,7 @@ policy's lengths."""
 from __future__ import annotations
 
 import gc
+import math
 import time
 from pathlib import Path
 
@@ -285,3 +286,51 @@ def test_miscalibrated_confidences_fall_back_to_fixed_and_an_online_refit_restor
     fitted = [row for row in table if row["rounds"] >= 60]
     assert fitted and all(row["ece_survival_sts"] < row["ece_survival_raw"] for row in fitted)
     assert all(t > s for t, s in zip(temps[:len(fitted)], sharp))  # the refit softens the sharpened head
+
+
+def test_the_slot_correction_moves_lengths_only_and_the_alarm_reads_the_drafters_own_confidences(stack, prior):
+    """Online slot offsets learned from verified rounds: greedy output stays the target's own; every round the
+    policy read carries the offsets of that step; the collapse alarm and the recorded rounds keep the drafter's
+    calibrated confidences (offsets learned from acceptance would follow a decaying drafter and hide it)."""
+    target, good = stack
+    texts = (REVERSE, "What is 12 * 7?", "Explain what a list is in Python.")
+    plain = Engine(target, None, EngineConfig(policy="ar"))
+    want = {}
+    for text in texts:
+        want[text] = plain.generate(prompt(target, text), SamplingParams(temperature=0, max_new_tokens=80)).output_ids
+
+    engine = Engine(target, good, EngineConfig(policy="causal", collapse_ratio=0.25, request_history=False,
+                                               slot_correction=True, slot_correction_rate=0.05), sps=prior)
+    assert engine.correction is not None
+    sent = []  # the drafter's calibrated c_1 of each request, in the order of the step's requests
+    propose = good.propose
+
+    def recording(items):
+        out = propose(items)
+        sent.append([float(p.confidences[0]) for p in out])
+        return out
+
+    good.propose = recording
+    ids = {engine.add_request(prompt(target, t), SamplingParams(temperature=0, max_new_tokens=80)): t for t in texts}
+    checked = 0
+    try:
+        while engine.has_work:
+            sent.clear()
+            before = list(engine.correction.offsets[True])
+            engine.step()
+            if not engine.last_rounds or len(sent) != 1 or len(sent[0]) != len(engine.last_rounds):
+                continue  # a step where some requests were gated or none verified drafts
+            for seen, calibrated, c1 in zip(engine.last_rounds, engine.last_calibrated_rounds, sent[0]):
+                assert calibrated.confidences[0] == pytest.approx(c1, abs=1e-6)
+                shifted = 1 / (1 + math.exp(-(math.log(c1 / (1 - c1)) + before[0])))
+                assert seen.confidences[0] == pytest.approx(shifted, abs=1e-6)
+                checked += 1
+            window = engine.collapse._window[good.name]
+            assert [e for e, _ in list(window)[-len(sent[0]):]] == pytest.approx(sent[0], abs=1e-6)
+    finally:
+        del good.propose
+    assert checked >= 10
+    assert any(b != 0.0 for b in engine.correction.offsets[True]) and engine.correction.observed[True][0] >= checked
+    assert engine.correction.offsets[False] == [0.0] * good.block_size  # no sampled request: untouched
+    for rid, text in ids.items():
+        assert engine.pop(rid).output_ids == want[text]
