@@ -86,6 +86,11 @@ def add_parser(sub) -> None:
                         "autoregressively for a while): on (default), off, or both: causal / async also run "
                         "without it, as <policy>/no-gate, interleaved in the same run (draft_gate_vs_off in the "
                         "JSON)")
+    p.add_argument("--slot-correction", choices=("on", "off", "both"), default="off",
+                   help="the engine's online slot correction (per position, the workload's level of the confidences "
+                        "learned from verified rounds): off (default, as in serving), on, or both: every confidence "
+                        "policy runs with it and also without it, as <policy>/no-correction, interleaved in the same "
+                        "run (slot_correction_vs_off in the JSON)")
     add_target_arg(p)
     p.add_argument("--drafter", default="auto", choices=DRAFTER_CHOICES,
                    help="shipped drafter (default auto = dspark)")
@@ -133,6 +138,7 @@ def check_args(args):
                                                            "scheduler runs one)")
         for flag, given in (("--plot", args.plot), ("--profile-sps", args.profile_sps),
                             ("--draft-gate", args.draft_gate != "on" and args.draft_gate),
+                            ("--slot-correction", args.slot_correction != "off" and args.slot_correction),
                             ("--llamacpp-gguf", args.llamacpp_gguf), ("--hf-assistant", args.hf_assistant)):
             if given:
                 raise InvalidArgument(flag, given, "does not apply with --distributed (the services run the policy "
@@ -167,7 +173,8 @@ def check_args(args):
     return BenchSettings(policies=tuple(policies), concurrencies=tuple(concurrencies),
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          block_size=args.block_size, seed=args.seed, request_history=args.request_history,
-                         draft_window=args.draft_window or None, draft_gate=args.draft_gate)
+                         draft_window=args.draft_window or None, draft_gate=args.draft_gate,
+                         slot_correction=args.slot_correction)
 
 
 def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
@@ -330,6 +337,7 @@ def run(args) -> int:
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
         "seed": args.seed, "sps": sps_source, "device": str(target.device), "prompts": source,
         "draft_window": settings.draft_window, "draft_gate": settings.draft_gate,
+        "slot_correction": settings.slot_correction,
         "sps_table": ({"batch_sizes": list(sps.batch_sizes), "steps_per_second": [round(v, 3) for v in sps.steps_per_second]}
                       if hasattr(sps, "batch_sizes") else None),
         "hf": hf_config,
@@ -427,11 +435,11 @@ def _fmt(x, spec=".2f", suffix=""):
 
 
 def human_summary(r: dict) -> str:
-    lines = [f"{'policy':<18} {'conc':>4} {'agg tok/s':>10} {'user tok/s':>10} {'verify len':>10} {'tau':>6} "
+    lines = [f"{'policy':<20} {'conc':>4} {'agg tok/s':>10} {'user tok/s':>10} {'verify len':>10} {'tau':>6} "
              f"{'match ar':>8}"]
     for x in r["results"]:
         match = {True: "yes", False: "NO", None: "-"}[x.get("outputs_match_ar")]
-        lines.append(f"{x['policy']:<18} {x['concurrency']:>4} {x['aggregate_tokens_per_s']:>10.1f} "
+        lines.append(f"{x['policy']:<20} {x['concurrency']:>4} {x['aggregate_tokens_per_s']:>10.1f} "
                      f"{x['per_user_tokens_per_s']:>10.1f} {x['mean_verify_len']:>10.2f} {_fmt(x.get('tau')):>6} "
                      f"{match:>8}")
     lines.append("")
@@ -454,6 +462,10 @@ def human_summary(r: dict) -> str:
     if dg:
         lines.append("draft gate on / off (aggregate; c=1 paired): " + "; ".join(
             f"{p} " + ", ".join(f"c={c} {_fmt(v, '.3f', 'x')}" for c, v in by_c.items()) for p, by_c in dg.items()))
+    sc = r.get("slot_correction_vs_off") or {}
+    if sc:
+        lines.append("slot correction on / off (aggregate; c=1 paired): " + "; ".join(
+            f"{p} " + ", ".join(f"c={c} {_fmt(v, '.3f', 'x')}" for c, v in by_c.items()) for p, by_c in sc.items()))
     cv = r.get("causal_vs_best_static") or {}
     if any(v is not None for v in cv.values()):
         lines.append("causal / best static aggregate: " + ", ".join(f"c={c} {_fmt(v)}" for c, v in cv.items()))

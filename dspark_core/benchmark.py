@@ -68,6 +68,9 @@ class BenchSettings:
     # the engine's draft gate (EngineConfig.gate_drafts): "on", "off", or "both" (each cost-reading policy also
     # runs without it, as "<policy>/no-gate", interleaved in the same run)
     draft_gate: str = "on"
+    # the engine's online slot correction (EngineConfig.slot_correction): "off", "on", or "both" (each
+    # confidence policy runs with it, and also without it as "<policy>/no-correction", interleaved in the same run)
+    slot_correction: str = "off"
 
     def __post_init__(self):
         if not self.policies:
@@ -83,6 +86,8 @@ class BenchSettings:
             raise InvalidArgument("request_history", self.request_history, "must be 'on', 'off' or 'both'")
         if self.draft_gate not in ("on", "off", "both"):
             raise InvalidArgument("draft_gate", self.draft_gate, "must be 'on', 'off' or 'both'")
+        if self.slot_correction not in ("on", "off", "both"):
+            raise InvalidArgument("slot_correction", self.slot_correction, "must be 'on', 'off' or 'both'")
         if self.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens", self.max_new_tokens, "must be >= 1")
 
@@ -253,6 +258,7 @@ def _record(req, prompt_index: int, t_add: float, t_done: float) -> RequestRecor
 
 NO_HISTORY = "/no-history"  # a policy run without the request-history recalibration (BenchSettings.request_history)
 NO_GATE = "/no-gate"  # a policy run without the draft gate (BenchSettings.draft_gate)
+NO_CORRECTION = "/no-correction"  # a policy run without the online slot correction (BenchSettings.slot_correction)
 
 
 def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchSettings, sps):
@@ -260,10 +266,13 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
 
     history = settings.request_history != "off"
     gate = settings.draft_gate != "off"
+    correction = settings.slot_correction != "off"
     if policy.endswith(NO_HISTORY):
         policy, history = policy[:-len(NO_HISTORY)], False
     elif policy.endswith(NO_GATE):
         policy, gate = policy[:-len(NO_GATE)], False
+    elif policy.endswith(NO_CORRECTION):
+        policy, correction = policy[:-len(NO_CORRECTION)], False
     if policy == "ar":
         drafter = None
     from .cost_model import SpsTable
@@ -276,7 +285,7 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
                                                 max_active=concurrency, max_waiting=max(1024, concurrency),
                                                 online_sps=online, isolate_seeded=False,
                                                 request_history=history, draft_window=settings.draft_window,
-                                                gate_drafts=gate),
+                                                gate_drafts=gate, slot_correction=correction),
                   sps=sps if policy in SPS_POLICIES else None)
 
 
@@ -363,12 +372,15 @@ def hf_generate(peer: HFPeer, mode: str, prompt_ids: Sequence[int], max_new_toke
 
 def with_variants(settings: BenchSettings, policies: Sequence[str]) -> list[str]:
     """`policies`, plus "<policy>/no-history" for each confidence policy when `settings.request_history` is
-    "both", and "<policy>/no-gate" for each cost-reading policy (the gate's) when `settings.draft_gate` is."""
+    "both", "<policy>/no-gate" for each cost-reading policy (the gate's) when `settings.draft_gate` is, and
+    "<policy>/no-correction" for each confidence policy when `settings.slot_correction` is."""
     out = list(policies)
     if settings.request_history == "both":
         out += [p + NO_HISTORY for p in policies if p in CONFIDENCE_POLICIES]
     if settings.draft_gate == "both":
         out += [p + NO_GATE for p in policies if p in SPS_POLICIES]
+    if settings.slot_correction == "both":
+        out += [p + NO_CORRECTION for p in policies if p in CONFIDENCE_POLICIES]
     return out
 
 
@@ -463,6 +475,7 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
     hf_out: dict[str, dict[int, list[int]]] = {}
     lc_out: dict[str, dict[int, list[int]]] = {}
 
+    last_engine: dict[tuple[str, int], object] = {}  # the engine of each point's last run (its monitors' state)
     # -- batch 1: every prompt under every policy and HF mode, back to back, rotating the order
     if 1 in settings.concurrencies:
         engines = {p: make_engine(target, drafter, p, 1, settings, sps) for p in policies}
@@ -489,6 +502,7 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
             runs = [[r for rp, _, r in batch1[p] if rp == rep] for rep in range(settings.repeats)]
             walls = [sum(r.seconds for r in run) for run in runs]
             points[(p, 1)] = summarize_point(p, 1, walls, runs, batch1=True)
+            last_engine[(p, 1)] = engines[p]
             outputs[(p, 1)] = {r.prompt_index: r.output_ids for r in runs[0]}
         for m in hf_modes:
             hf_out[m] = {i: r.output_ids for rp, i, r in batch1[f"hf_{m}"] if rp == 0}
@@ -515,6 +529,7 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
             for p in order:
                 engine = make_engine(target, drafter, p, c, settings, sps)
                 recs, wall = closed_loop(engine, prompts, n, c, params_for, on_request_done)
+                last_engine[(p, c)] = engine
                 points.setdefault((p, c), {"runs": [], "walls": []})
                 points[(p, c)]["runs"].append(recs)
                 points[(p, c)]["walls"].append(wall)
@@ -537,6 +552,10 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
                 pt["outputs_match_ar"] = None
             if keep_outputs:
                 pt["outputs"] = {i: outputs[(p, c)][i] for i in sorted(outputs[(p, c)])}
+            engine = last_engine.get((p, c))
+            if getattr(engine, "correction", None) is not None:
+                # what the online slot correction had learned by the end of the point's (last) run
+                pt["slot_offsets"] = engine.correction.snapshot()
             results.append(pt)
 
     out: dict = {"results": results}
@@ -544,18 +563,20 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
     if settings.request_history == "both" and batch1:
         out["request_history_vs_off_batch1"] = {p[:-len(NO_HISTORY)]: paired_ratio(batch1, p[:-len(NO_HISTORY)], p)
                                                 for p in policies if p.endswith(NO_HISTORY)}
+    by_point = {(pt["policy"], pt["concurrency"]): pt["aggregate_tokens_per_s"] for pt in results}
+
+    def vs_variant(suffix: str) -> dict:
+        # per policy and concurrency: aggregate tokens/s with the feature over without it (batch 1: the paired
+        # per-prompt ratio)
+        return {p[:-len(suffix)]: {str(c): (paired_ratio(batch1, p[:-len(suffix)], p) if c == 1 and batch1 else
+                                            round(by_point[(p[:-len(suffix)], c)] / max(by_point[(p, c)], 1e-9), 4))
+                                   for c in settings.concurrencies}
+                for p in policies if p.endswith(suffix)}
+
     if settings.draft_gate == "both":
-        # per concurrency: aggregate tokens/s with the gate over without it (batch 1: the paired per-prompt ratio)
-        by_point = {(pt["policy"], pt["concurrency"]): pt["aggregate_tokens_per_s"] for pt in results}
-        gate_vs = {}
-        for p in policies:
-            if not p.endswith(NO_GATE):
-                continue
-            base = p[:-len(NO_GATE)]
-            gate_vs[base] = {str(c): (paired_ratio(batch1, base, p) if c == 1 and batch1 else
-                                      round(by_point[(base, c)] / max(by_point[(p, c)], 1e-9), 4))
-                             for c in settings.concurrencies}
-        out["draft_gate_vs_off"] = gate_vs
+        out["draft_gate_vs_off"] = vs_variant(NO_GATE)
+    if settings.slot_correction == "both":
+        out["slot_correction_vs_off"] = vs_variant(NO_CORRECTION)
     if hf_modes:
         out["hf"] = {m: round(_rate([r for _, _, r in batch1[f"hf_{m}"]]), 3) for m in hf_modes}
         out["hf_per_request_median"] = {m: round(statistics.median(r.tokens_per_s for _, _, r in batch1[f"hf_{m}"]), 3)

@@ -83,6 +83,26 @@ def test_draft_gate_both_runs_each_cost_policy_without_the_gate_too(tiny_stack, 
     assert r["config"]["draft_gate"] == "both"
 
 
+def test_slot_correction_both_runs_each_confidence_policy_with_and_without_it(tiny_stack, capsys):
+    s = tiny_stack
+    rc = main(["bench", "--target", s["target"], "--drafter-path", s["drafter"], "--dataset", s["data"], "--split", "all",
+               "--no-hf", "--profile-sps", "--concurrency", "1,2", "--policy", "causal,fixed,ar", "--slot-correction",
+               "both", "--num-prompts", "2", "--max-new-tokens", "24", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    points = {(x["policy"], x["concurrency"]): x for x in r["results"]}
+    # only the confidence-reading policy has confidences to correct
+    assert set(points) == {(p, c) for p in ("causal", "causal/no-correction", "fixed", "ar") for c in (1, 2)}
+    assert all(x["outputs_match_ar"] is True for x in r["results"])
+    assert set(r["slot_correction_vs_off"]) == {"causal"} and set(r["slot_correction_vs_off"]["causal"]) == {"1", "2"}
+    assert all(v > 0 for v in r["slot_correction_vs_off"]["causal"].values())
+    assert r["config"]["slot_correction"] == "both"
+    # what the correction learned is reported on the points that ran it, and only there
+    learned = points[("causal", 1)]["slot_offsets"]
+    assert learned["greedy"]["observed"][0] > 0 and learned["sampled"]["observed"] == [0] * len(learned["sampled"]["observed"])
+    assert all("slot_offsets" not in points[(p, c)] for p in ("causal/no-correction", "fixed", "ar") for c in (1, 2))
+
+
 def test_a_dataset_gives_its_held_out_split_unless_split_all(tiny_target_dir, tmp_path):
     """The prompts `dspark train` distils are the other 80%: a bench on a dev file must not time a drafter on
     prompts it was trained on, so `--dataset` takes the held-out split (`--split all`: the file as given)."""
@@ -132,6 +152,7 @@ def test_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
     (["--concurrency", "0"], "--concurrency"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--draft-gate", "both"], "--draft-gate"),  # the services' gate is the engine default
+    (["--slot-correction", "on"], "--slot-correction"),  # the scheduler's own flag decides there
 ])
 def test_distributed_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
     rc = main(["bench", "--distributed", "--target", str(tiny_target_dir), *args])
