@@ -42,6 +42,10 @@ SPEC_COLLAPSES = Counter("dspark_spec_decode_drafter_collapses", "Times the coll
 SPEC_ACCEPTANCE_RATIO = Gauge("dspark_spec_decode_acceptance_ratio",
                               "First-position acceptance over the recent window divided by its expectation",
                               ["drafter"])
+SPEC_CONFIDENCE_OFFSET = Gauge("dspark_spec_decode_confidence_offset",
+                               "Online slot correction: logit offset the engine adds to the drafter's calibrated "
+                               "confidence, by kind of request (greedy / sampled) and position",
+                               ["drafter", "kind", "position"])
 SPEC_SKIPPED = Counter("dspark_spec_decode_skipped_rounds",
                        "Request-rounds decoded without drafting because the drafter collapsed", ["drafter"])
 REQUIRED_REPLICAS = Gauge("dspark_autoscale_required_replicas",

@@ -386,8 +386,8 @@ class EngineLoop:
             for k, e in expected.items():
                 metrics.SPEC_EXPECTED.labels(drafter=name, position=str(k)).inc(e)
                 metrics.SPEC_REALIZED.labels(drafter=name, position=str(k)).inc(realized[k])
-            if self.record_rounds:
-                self._rounds_buffer.extend(rounds)
+            if self.record_rounds:  # what `dspark calibrate --online` refits: the drafter's own confidences
+                self._rounds_buffer.extend(eng.last_calibrated_rounds)
         for kind, detail in eng.events:
             if kind == "collapse" and detail["collapsed"]:
                 metrics.SPEC_COLLAPSES.labels(drafter=name).inc()
@@ -416,6 +416,11 @@ class EngineLoop:
             ratio = eng.collapse.acceptance_ratio(name)
             if ratio == ratio:
                 metrics.SPEC_ACCEPTANCE_RATIO.labels(drafter=name).set(ratio)
+        if eng.correction is not None:
+            for kind, greedy in (("greedy", True), ("sampled", False)):
+                for k, b in enumerate(eng.correction.offsets[greedy], 1):
+                    if eng.correction.observed[greedy][k - 1]:
+                        metrics.SPEC_CONFIDENCE_OFFSET.labels(drafter=name, kind=kind, position=str(k)).set(b)
         if self._rounds_buffer:
             from dspark_core.monitoring import write_rounds
 

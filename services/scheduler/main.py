@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collapse-ratio", type=float, default=float(flags.env("COLLAPSE_RATIO", 0.25)),
                    help="a drafter whose first-position acceptance falls under this fraction of its expectation "
                         "decodes autoregressively, probing now and then; 0 = no alarm (default 0.25)")
+    p.add_argument("--slot-correction", choices=("on", "off"), default=flags.env("SLOT_CORRECTION", "off"),
+                   help="on: learn the workload's level of the drafter's confidences online, per position (greedy "
+                        "and sampled requests apart), and plan on the corrected ones (default off: measured neutral "
+                        "to negative with the shipped SmolLM2 drafter, docs/results/smollm2/README.md)")
     p.add_argument("--draft-window", type=int, default=int(flags.env("DRAFT_WINDOW", DRAFT_WINDOW)),
                    help="a request's drafter context begins at most this many positions before its first anchor "
                         "(only those prompt positions' features are computed into replies and sent); 0 = the "
@@ -99,6 +103,8 @@ def run(args) -> int:
     pools = os.environ.get("DSPARK_AUTOSCALE_POOLS") if args.autoscale else None
     if args.autoscale and not pools:
         raise InvalidArgument("DSPARK_AUTOSCALE_POOLS", pools, "must be set (JSON pool settings) with --autoscale")
+    if args.slot_correction not in ("on", "off"):  # from DSPARK_SLOT_CORRECTION (argparse checks only the flag)
+        raise InvalidArgument("--slot-correction", args.slot_correction, "must be 'on' or 'off'")
     cfg = SchedulerConfig(
         server=ServerConfig(args.port, args.host, args.drain_seconds),
         verifier_addresses=_addresses(args.verifier_addresses), drafter_addresses=_addresses(args.drafter_addresses),
@@ -111,6 +117,7 @@ def run(args) -> int:
         namespace=os.environ.get("POD_NAMESPACE", "default"),
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
         draft_window=args.draft_window or None, record_rounds=args.record_rounds,
+        slot_correction=args.slot_correction == "on",
         target_user_tps=float(args.target_user_tps) if args.target_user_tps is not None else None,
         verifier_grace_s=args.verifier_grace, tls_dir=args.tls_dir, api_keys=flags.api_keys(args),
         **flags.redis_auth())

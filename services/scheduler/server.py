@@ -84,6 +84,9 @@ class SchedulerConfig:
     # acceptance falls under this fraction of its expectation decodes autoregressively (None = no alarm)
     calibration_bound: float | None = 0.1
     collapse_ratio: float | None = 0.25
+    # the engine's online slot correction (EngineConfig.slot_correction): per position, the workload's level of
+    # the confidences learned from verified rounds
+    slot_correction: bool = False
     # a request's drafter context begins at most this many positions before its first anchor
     # (EngineConfig.draft_window; None = the whole prompt)
     draft_window: int | None = DRAFT_WINDOW
@@ -106,7 +109,8 @@ class SchedulerConfig:
                                   "must be given (or a redis url to discover verifiers, or an embedded target)")
         EngineConfig(policy=self.policy, block_size=self.block_size, max_active=self.max_active,
                      max_waiting=self.max_waiting, calibration_bound=self.calibration_bound,
-                     collapse_ratio=self.collapse_ratio, draft_window=self.draft_window)  # validates
+                     collapse_ratio=self.collapse_ratio, draft_window=self.draft_window,
+                     slot_correction=self.slot_correction)  # validates
         if self.target_user_tps is not None and not self.target_user_tps > 0:
             raise InvalidArgument("target_user_tps", self.target_user_tps, "must be > 0 tokens per second")
         if not self.verifier_grace_s >= 0:
@@ -162,7 +166,7 @@ class SchedulerApp(ServingApp):
         return EngineConfig(policy=policy, block_size=c.block_size, max_active=c.max_active,
                             max_waiting=c.max_waiting, calibration_bound=c.calibration_bound,
                             collapse_ratio=c.collapse_ratio, online_sps=online_sps and has_sps,
-                            draft_window=c.draft_window)
+                            draft_window=c.draft_window, slot_correction=c.slot_correction)
 
     def _build_embedded(self) -> _Stack:
         from dspark_core.sampling import SamplingParams

@@ -36,7 +36,7 @@ def test_embedded_scheduler_exports_spec_metrics_records_rounds_and_calibrate_on
     shutil.copytree(fixtures_dir / "dspark", drafter)
     rounds_file = tmp_path / "rounds.jsonl"
     s = cluster.scheduler(aio, embedded_target=str(target), embedded_drafter=str(drafter), policy="causal",
-                          record_rounds=str(rounds_file))
+                          record_rounds=str(rounds_file), slot_correction=True)
     try:
         stub, ch = cluster.scheduler_stub(s)
         for prompt, greedy in reference[:2]:
@@ -45,6 +45,8 @@ def test_embedded_scheduler_exports_spec_metrics_records_rounds_and_calibrate_on
         ch.close()
         assert s.engine.online_sps is not None and s.engine.online_sps.accepted > 0  # embedded: measured passes
         assert s.engine.calibration is not None and s.engine.collapse is not None
+        assert s.engine.correction is not None and s.engine.correction.observed[True][0] > 0
+        s.loop._watch_gauges()  # (once a second in the loop) the gauges now, not up to a second later
     finally:
         cluster.stop(aio, s)
     text = metrics.render().decode()
@@ -53,6 +55,7 @@ def test_embedded_scheduler_exports_spec_metrics_records_rounds_and_calibrate_on
     assert f'dspark_spec_decode_realized_accepted_tokens_total{{drafter="{name}",position="1"}}' in text
     assert f'dspark_spec_decode_calibrated{{drafter="{name}"}} 1.0' in text
     assert f'dspark_spec_decode_drafter_collapsed{{drafter="{name}"}}' in text
+    assert f'dspark_spec_decode_confidence_offset{{drafter="{name}",kind="greedy",position="1"}}' in text
     rounds = read_rounds(rounds_file)
     assert rounds and all(r.drafter == name and r.greedy for r in rounds)
     # the greedy regime refits only for a drafter with a greedy confidence output; dry run either way
