@@ -25,8 +25,9 @@ SERVE: dict[str, ServeFlags] = {
         # --target: the tokenizer's directory (the service has it; the brief's contract does not list it)
         # --calibration-bound / --collapse-ratio / --target-user-tps: online operation (issue 17)
         # --draft-window: the drafter's context window (EngineConfig.draft_window)
+        # --slot-correction: the online slot correction (EngineConfig.slot_correction)
         optional=frozenset({"--policy", "--target", "--served-model-name", "--calibration-bound", "--collapse-ratio",
-                            "--target-user-tps", "--draft-window"}),
+                            "--target-user-tps", "--draft-window", "--slot-correction"}),
         switches=frozenset({"--autoscale"}),
     ),
     "verifier": ServeFlags(
