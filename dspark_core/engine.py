@@ -35,7 +35,7 @@ from . import scheduling
 from .cost_model import OnlineSpsTable, SpsTable, sps_callable
 from .drafters.base import DraftProcessing, Proposal, ProposeItem, context_dtype
 from .errors import InvalidArgument, NotFound, ResourceExhausted
-from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord, SlotCorrection
+from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord, SlotCorrection, shift_logit
 from .sampling import SamplingParams, TokenHistory, TokenLogprob, make_generator
 from .target import KVCacheFull, TargetRuntime
 from .verification import DraftBlock, couple_draft, process_draft
@@ -309,12 +309,6 @@ class _StepLog:
             yield
         finally:
             self.timings[name] = (t0, time.time_ns())
-
-
-def _shift_logit(c: float, delta: float) -> float:
-    """sigmoid(logit(c) + delta), c clamped into (0, 1)."""
-    c = min(max(c, 1e-7), 1.0 - 1e-7)
-    return 1.0 / (1.0 + math.exp(-(math.log(c / (1.0 - c)) + delta)))
 
 
 def _own_fault(exc: BaseException) -> bool:
@@ -807,7 +801,7 @@ class Engine:
                 r.slot1_confidence = c[0]
                 if r.history_rounds:
                     g = hist.offset(r.history_rounds, r.history_accepted, r.history_confidence)
-                    c = [_shift_logit(x, w * g) for x, w in zip(c, hist.weights)]
+                    c = [shift_logit(x, w * g) for x, w in zip(c, hist.weights)]
             confs.append(c)
         # the policy plans the whole pass: the undrafted requests' anchors are in it (rows with no candidate).
         # Planned with the drafted requests alone, a step where most requests are gated priced its drafts on

@@ -173,6 +173,12 @@ class CalibrationMonitor:
         return None if best is None else best[1] + 1
 
 
+def shift_logit(c: float, delta: float) -> float:
+    """sigmoid(logit(c) + delta), c clamped into (0, 1)."""
+    c = min(max(float(c), 1e-7), 1.0 - 1e-7)
+    return 1.0 / (1.0 + math.exp(-(math.log(c / (1.0 - c)) + delta)))
+
+
 class SlotCorrection:
     """Online per-position logit offsets of the confidences, one set per kind of request (module docstring)."""
 
@@ -193,13 +199,8 @@ class SlotCorrection:
         `undo`: subtracted instead (the confidences as they were before `apply`, while no round was observed)."""
         b = self.offsets[bool(greedy)]
         sign = -1.0 if undo else 1.0
-        out = []
-        for k, c in enumerate(confidences):
-            if k < self.gamma and b[k] != 0.0:
-                c = min(max(float(c), 1e-7), 1.0 - 1e-7)
-                c = 1.0 / (1.0 + math.exp(-(math.log(c / (1.0 - c)) + sign * b[k])))
-            out.append(float(c))
-        return out
+        return [shift_logit(c, sign * b[k]) if k < self.gamma and b[k] != 0.0 else float(c)
+                for k, c in enumerate(confidences)]
 
     def observe(self, record: RoundRecord) -> None:
         """One verified round; `record.confidences` are the corrected ones the policy read. Position k's
