@@ -75,6 +75,57 @@ class DraftCost:
         return cls(base=seconds * base_share, per_request=seconds * (1 - base_share) / requests)
 
 
+class DraftCostFit:
+    """`DraftCost` fitted online to a drafter's measured passes: least squares of seconds on requests over the
+    last `window` passes. A batched drafter pays a fixed cost per pass (launch, the parallel backbone's shared
+    work, a drafter pod's transport) and a small one per request; which of the two a pass's time is can only be
+    told apart once passes of different sizes have been seen. Until then (or when the fit is degenerate: a
+    negative slope or base from noise) the split is `base_share` of the mean pass fixed, the rest per request.
+    Only steady passes belong here: a pass that extends a request's drafter context over a backlog (its prompt,
+    or positions skipped while gated) costs more than drafting for it will from then on."""
+
+    def __init__(self, window: int = 128, base_share: float = 0.5):
+        if not isinstance(window, int) or isinstance(window, bool) or window < 2:
+            raise InvalidArgument("window", window, "must be an integer >= 2")
+        if not 0.0 <= base_share <= 1.0:
+            raise InvalidArgument("base_share", base_share, "must be in [0, 1]")
+        self.window, self.base_share = window, base_share
+        self._passes: list[tuple[int, float]] = []
+        self._cost: DraftCost | None = None
+
+    def observe(self, requests: int, seconds: float) -> None:
+        if requests < 1 or not seconds >= 0.0 or not math.isfinite(seconds):
+            return
+        self._passes.append((int(requests), float(seconds)))
+        if len(self._passes) > self.window:
+            del self._passes[0]
+        self._cost = None
+
+    @property
+    def observed(self) -> int:
+        return len(self._passes)
+
+    @property
+    def cost(self) -> DraftCost:
+        if self._cost is None:
+            self._cost = self._fit()
+        return self._cost
+
+    def _fit(self) -> DraftCost:
+        k = len(self._passes)
+        if not k:
+            return DraftCost()
+        mn = sum(n for n, _ in self._passes) / k
+        mt = sum(t for _, t in self._passes) / k
+        sxx = sum((n - mn) ** 2 for n, _ in self._passes)
+        if sxx > 0:
+            slope = sum((n - mn) * (t - mt) for n, t in self._passes) / sxx
+            base = mt - slope * mn
+            if slope >= 0.0 and base >= 0.0:
+                return DraftCost(base=base, per_request=slope)
+        return DraftCost(base=mt * self.base_share, per_request=mt * (1.0 - self.base_share) / mn)
+
+
 @dataclass(frozen=True)
 class CapacityPlan:
     verifiers: int

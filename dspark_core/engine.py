@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import scheduling
+from .capacity import DraftCost, DraftCostFit
 from .cost_model import OnlineSpsTable, SpsTable, sps_callable
 from .drafters.base import DraftProcessing, Proposal, ProposeItem, context_dtype
 from .errors import InvalidArgument, NotFound, ResourceExhausted
@@ -104,6 +105,15 @@ class EngineConfig:
     draft_gate_margin: float = 1.0
     draft_gate_min: int = 4
     draft_gate_max: int = 64
+    # what the gate decides for. "batch" (default): whether the step runs the drafter at all, then who is in the
+    # pass. A pass has a fixed cost (a drafter's launch and shared work, a drafter pod's round trip) and a small
+    # one per request (capacity.DraftCostFit, fitted to the passes timed so far): each request's rounds are
+    # priced at the per-request part alone, and the pass runs when the requests whose drafts pay are together
+    # worth its fixed part; otherwise the step decodes without drafts, and every request probes together, in
+    # one pass, on the batch's own doubling ladder. "request": each request's rounds carry their share of the
+    # whole pass and each probes on its own ladder (before 2026-12-06): at concurrency 8 on SmolLM2 most passes
+    # then held 1-5 requests at over half the cost of a pass for all eight (docs/results/smollm2/README.md).
+    draft_gate_scope: str = "batch"
     # apply the drafter's request-history recalibration (calibration.json "request_history", if it has one): a
     # request's confidences are corrected by how its own verified rounds compared with their predictions
     # (dspark_core.calibration.RequestHistory). Only lengths move; False uses the drafter's confidences as sent.
@@ -150,6 +160,8 @@ class EngineConfig:
         w = self.draft_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise InvalidArgument("draft_window", w, "must be None (the whole prompt) or an integer >= 1")
+        if self.draft_gate_scope not in ("batch", "request"):
+            raise InvalidArgument("draft_gate_scope", self.draft_gate_scope, "must be 'batch' or 'request'")
         if not 1 <= self.draft_gate_min <= self.draft_gate_max:
             raise InvalidArgument("draft_gate_min", self.draft_gate_min,
                                   f"must be in [1, draft_gate_max = {self.draft_gate_max}]")
@@ -393,6 +405,14 @@ class Engine:
         # the gate's recent decisions per kind of request (greedy or not): a moving average of the skip it
         # assigned (0 when drafts paid), where a new request of that kind starts instead of probing from 0
         self._gate_hint = {True: 0.0, False: 0.0}
+        # the batch-scope gate (EngineConfig.draft_gate_scope): the drafter's pass time as fixed + per request,
+        # fitted to steady passes; the batch's probe ladder (skip, the step it probes); the tokens/s of a step
+        # without drafts at the last gated round (what a pass's fixed time is worth in tokens)
+        self.draft_cost = DraftCostFit()
+        self._pass_skip = 0
+        self._pass_again_at = 0
+        self._gate_rate = 0.0
+        self.num_probe_passes = 0  # passes run only to look again (batch scope), every request in them
         # a policy given by the caller may read the cost table; a registry baseline never does
         self._policy_reads_sps = policy is not None or spec.needs_sps
         if policy is None:
@@ -650,8 +670,12 @@ class Engine:
         confs: list[list[float]] | None = None
         if self.drafter is not None:
             if self.collapse is None or self.collapse.should_draft(self.drafter.name, self.num_steps):
-                gated = self._gating()
-                idx = [i for i, r in enumerate(reqs) if not gated or r.draft_again_at <= self.num_steps]
+                if not self._gating():
+                    idx = list(range(len(reqs)))
+                elif self.config.draft_gate_scope == "request":
+                    idx = [i for i, r in enumerate(reqs) if r.draft_again_at <= self.num_steps]
+                else:
+                    idx = self._pass_members(reqs)
                 self.num_gated_drafts += len(reqs) - len(idx)
                 if len(idx) == len(reqs):
                     drafts, confs = self._draft(reqs, rec)
@@ -811,6 +835,8 @@ class Engine:
         # exponential moving average of the drafting time per step (the policies' fixed per-step cost), updated
         # after this step's schedule: a decision only ever sees earlier steps' timings. A catch-up pass (above)
         # is not what the next rounds' drafting costs: it counts only until a steady pass has been timed.
+        if not catch_up:
+            self.draft_cost.observe(len(reqs), elapsed)
         if not catch_up and not self._draft_steady:
             self._draft_seconds, self._draft_steady = elapsed, True
         elif not catch_up or self._draft_seconds <= 0:
@@ -850,8 +876,9 @@ class Engine:
     def _gate(self, reqs: list[RequestState], confs: list[list[float]], lengths: list[int], draft_seconds: float,
               pass_requests: int) -> None:
         """After a drafted round: each request whose expected accepted drafts are worth less than what they
-        cost skips drafting for a while (EngineConfig.gate_drafts). Reads only this round's confidences and
-        lengths (known before verification) and measured times, so later rounds stay non-anticipating."""
+        cost skips drafting for a while (EngineConfig.gate_drafts); in batch scope, the batch's probe ladder
+        moves too (see _pass_members). Reads only this round's confidences and lengths (known before
+        verification) and measured times, so later rounds stay non-anticipating."""
         sps = sps_callable(self._table_for(pass_requests))
         total = pass_requests + sum(lengths)
         try:
@@ -860,9 +887,12 @@ class Engine:
         except InvalidArgument:  # a caller's table that does not reach these sizes: no gating
             return
         # tokens per second of the same step without drafts (which pays the step's verification overhead too)
-        rate = pass_requests / (t_ar + max(0.0, self._step_overhead))
-        share = draft_seconds / max(len(reqs), 1)
+        rate = self._gate_rate = pass_requests / (t_ar + max(0.0, self._step_overhead))
         cfg = self.config
+        batch = cfg.draft_gate_scope == "batch"
+        # a request's part of the drafting: batch scope, the pass's per-request time (its fixed part is weighed
+        # for the whole batch); request scope, its share of the whole pass
+        share = self.pass_cost(len(reqs)).per_request if batch else draft_seconds / max(len(reqs), 1)
         for r, c, l, t_without in zip(reqs, confs, lengths, without):
             expected, alive = 0.0, 1.0
             for k in range(min(l, len(c))):
@@ -878,8 +908,50 @@ class Engine:
             else:
                 skip = r.draft_gate_skip = min(cfg.draft_gate_max, max(cfg.draft_gate_min, 2 * r.draft_gate_skip))
                 r.draft_again_at = self._probe_step(skip)
+        if batch:
+            if self._pass_pays(self.active):
+                self._pass_skip = 0
+            else:  # the requests whose drafts pay are not worth a pass: the batch looks again later, together
+                self._pass_skip = min(cfg.draft_gate_max, max(cfg.draft_gate_min, 2 * self._pass_skip))
+                self._pass_again_at = self._probe_step(self._pass_skip)
+        for r in reqs:
+            # what a request of this kind skipped (in batch scope the batch's skip, when its drafts paid but the
+            # batch's did not)
+            skip = r.draft_gate_skip
+            if batch and r.draft_gate_surplus >= 0 and self._pass_skip:
+                skip = self._pass_skip
             kind = r.params.greedy
-            self._gate_hint[kind] = 0.8 * self._gate_hint[kind] + 0.2 * r.draft_gate_skip
+            self._gate_hint[kind] = 0.8 * self._gate_hint[kind] + 0.2 * skip
+
+    def _pass_pays(self, reqs: Sequence[RequestState]) -> bool:
+        """Whether the requests whose drafts pay (their moving surplus, tokens a round beyond their own cost) are
+        together worth the fixed part of a drafter pass at the last gated round's rate (earlier rounds only)."""
+        value = sum(r.draft_gate_surplus for r in reqs
+                    if r.draft_gate_surplus is not None and r.draft_gate_surplus > 0)
+        return value >= self.config.draft_gate_margin * self._gate_rate * self.pass_cost(len(reqs)).base
+
+    def pass_cost(self, requests: int) -> DraftCost:
+        """The drafter's pass time as fixed + per request (what the batch-scope gate weighs, and what a
+        scheduler's replica plan prices drafting at): fitted to the steady passes timed so far, or, while every
+        pass has been a catch-up (probes after gated stretches), the moving drafting time of a pass of
+        `requests` split evenly."""
+        if self.draft_cost.observed:
+            return self.draft_cost.cost
+        return DraftCost.from_observation(self._draft_seconds, max(1, requests))
+
+    def _pass_members(self, reqs: list[RequestState]) -> list[int]:
+        """The batch-scope gate's pass of this step (indices into `reqs`; empty: no drafter pass). The requests
+        due to draft (drafts that pay, or a request's own probe) draft when those that pay are worth the pass's
+        fixed cost, or when one of them has no measured round yet; otherwise nobody drafts, except on the batch's
+        probe step, where every request drafts in one pass (the drafter's states catch up there, too)."""
+        step = self.num_steps
+        due = [i for i, r in enumerate(reqs) if r.draft_again_at <= step]
+        if due and (any(reqs[i].draft_gate_surplus is None for i in due) or self._pass_pays(reqs)):
+            return due
+        if step >= self._pass_again_at and (due or self._pass_skip):
+            self.num_probe_passes += 1
+            return list(range(len(reqs)))
+        return []
 
     def _probe_step(self, skip: int) -> int:
         """The step a request skipping `skip` steps drafts again: at least `skip` steps ahead, on a multiple

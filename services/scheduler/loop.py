@@ -520,7 +520,7 @@ class EngineLoop:
         sps = caps["engine_sps"] if "engine_sps" in caps else self._engine_sps()
         if self.target_user_tps is None or sps is None or not hasattr(sps, "for_requests"):
             return None
-        from dspark_core.capacity import DemandForecast, DraftCost, plan_replicas
+        from dspark_core.capacity import DemandForecast, plan_replicas
 
         pods_v, pods_d = len(caps.get("verifier", [])) or 1, len(caps.get("drafter", [])) or 1
         active = max(sum(a for _, a in caps.get("verifier", [])), len(eng.active))
@@ -533,7 +533,7 @@ class EngineLoop:
         users = self._forecast.forecast(horizon)
         per_drafter = max(1, math.ceil(len(eng.active) / pods_d))
         plan = plan_replicas(list(self.demand_rows.values()), users, sps, self.target_user_tps,
-                             draft_cost=DraftCost.from_observation(eng._draft_seconds, per_drafter),
+                             draft_cost=eng.pass_cost(per_drafter),
                              current=(pods_v, pods_d), has_drafter=eng.drafter is not None,
                              max_verifiers=limits["verifier"].max_replicas if "verifier" in limits else 64,
                              max_drafters=limits["drafter"].max_replicas if "drafter" in limits else 64)

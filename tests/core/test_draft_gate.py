@@ -235,3 +235,47 @@ def test_verification_time_beyond_the_tables_forward_is_a_fixed_cost_of_every_st
     r = len(slow.active)
     fixed = 1.0 / slow._sps_for(r)(r) - 1.0 / table.for_requests(r)(r)
     assert fixed == pytest.approx(slow._draft_seconds + slow._step_overhead, rel=0.1)
+
+
+def test_in_batch_scope_requests_whose_drafts_do_not_pay_probe_together(stack):
+    """Batch scope (the default): once no request's drafts pay, the drafter runs only on the batch's probe steps,
+    and each probe holds every request in flight, one pass, where request scope probed each request on its own
+    ladder (several small passes, each paying the drafter's fixed cost)."""
+    target, drafter = stack
+    propose = drafter.propose
+
+    def run(scope):
+        engine = Engine(target, drafter, EngineConfig(policy="causal", draft_gate_min=2, draft_gate_max=8,
+                                                      draft_gate_scope=scope), sps=STEEP)
+        calls = []  # (requests in the pass, requests in flight) of the passes once every request has drafted
+
+        def recording(items):
+            if all(r.draft_gate_surplus is not None for r in engine.active):
+                calls.append((len(items), len(engine.active)))
+            return propose(items)
+
+        drafter.propose = recording
+        try:
+            ids = []
+            for i, text in enumerate(PROMPTS):  # admitted apart: their own ladders fall on different steps
+                ids.append(engine.add_request(target.tokenizer.encode(text, add_special_tokens=False),
+                                              SamplingParams(temperature=0.0, max_new_tokens=48, seed=i)))
+                for _ in range(3):
+                    engine.step()
+            engine.run()
+        finally:
+            del drafter.propose
+        return engine, [engine.pop(r).output_ids for r in ids], calls
+
+    batch, out_batch, calls_batch = run("batch")
+    request, out_request, calls_request = run("request")
+    assert out_batch == out_request
+    assert calls_batch and all(n == active for n, active in calls_batch)  # the batch's probes: all, one pass
+    assert batch.num_probe_passes == len(calls_batch) and request.num_probe_passes == 0
+    assert any(n < active for n, active in calls_request)  # request scope: passes that held part of the batch
+    assert len(calls_batch) < len(calls_request)
+
+
+def test_the_draft_gate_scope_is_checked():
+    with pytest.raises(Exception, match="draft_gate_scope"):
+        EngineConfig(draft_gate_scope="step")
