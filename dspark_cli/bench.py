@@ -91,6 +91,12 @@ def add_parser(sub) -> None:
                         "learned from verified rounds): off (default, as in serving), on, or both: every confidence "
                         "policy runs with it and also without it, as <policy>/no-correction, interleaved in the same "
                         "run (slot_correction_vs_off in the JSON)")
+    p.add_argument("--draft-gate-scope", choices=("batch", "request", "both"), default="batch",
+                   help="what the draft gate decides for: batch (default, as in serving: whether a step runs the "
+                        "drafter at all, weighing the pass's fixed cost against the requests whose drafts pay; "
+                        "the batch probes together), request (each request on its own, carrying its share of "
+                        "the pass), or both: causal / async also run in request scope, as <policy>/request-scope, "
+                        "interleaved in the same run (draft_gate_batch_vs_request_scope in the JSON)")
     add_target_arg(p)
     p.add_argument("--drafter", default="auto", choices=DRAFTER_CHOICES,
                    help="shipped drafter (default auto = dspark)")
@@ -139,6 +145,7 @@ def check_args(args):
         for flag, given in (("--plot", args.plot), ("--profile-sps", args.profile_sps),
                             ("--draft-gate", args.draft_gate != "on" and args.draft_gate),
                             ("--slot-correction", args.slot_correction != "off" and args.slot_correction),
+                            ("--draft-gate-scope", args.draft_gate_scope != "batch" and args.draft_gate_scope),
                             ("--llamacpp-gguf", args.llamacpp_gguf), ("--hf-assistant", args.hf_assistant)):
             if given:
                 raise InvalidArgument(flag, given, "does not apply with --distributed (the services run the policy "
@@ -174,7 +181,7 @@ def check_args(args):
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          block_size=args.block_size, seed=args.seed, request_history=args.request_history,
                          draft_window=args.draft_window or None, draft_gate=args.draft_gate,
-                         slot_correction=args.slot_correction)
+                         slot_correction=args.slot_correction, draft_gate_scope=args.draft_gate_scope)
 
 
 def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
@@ -337,7 +344,7 @@ def run(args) -> int:
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "repeats": args.repeats,
         "seed": args.seed, "sps": sps_source, "device": str(target.device), "prompts": source,
         "draft_window": settings.draft_window, "draft_gate": settings.draft_gate,
-        "slot_correction": settings.slot_correction,
+        "slot_correction": settings.slot_correction, "draft_gate_scope": settings.draft_gate_scope,
         "sps_table": ({"batch_sizes": list(sps.batch_sizes), "steps_per_second": [round(v, 3) for v in sps.steps_per_second]}
                       if hasattr(sps, "batch_sizes") else None),
         "hf": hf_config,
@@ -466,6 +473,10 @@ def human_summary(r: dict) -> str:
     if sc:
         lines.append("slot correction on / off (aggregate; c=1 paired): " + "; ".join(
             f"{p} " + ", ".join(f"c={c} {_fmt(v, '.3f', 'x')}" for c, v in by_c.items()) for p, by_c in sc.items()))
+    gs = r.get("draft_gate_batch_vs_request_scope") or {}
+    if gs:
+        lines.append("draft gate batch / request scope (aggregate; c=1 paired): " + "; ".join(
+            f"{p} " + ", ".join(f"c={c} {_fmt(v, '.3f', 'x')}" for c, v in by_c.items()) for p, by_c in gs.items()))
     cv = r.get("causal_vs_best_static") or {}
     if any(v is not None for v in cv.values()):
         lines.append("causal / best static aggregate: " + ", ".join(f"c={c} {_fmt(v)}" for c, v in cv.items()))

@@ -71,6 +71,9 @@ class BenchSettings:
     # the engine's online slot correction (EngineConfig.slot_correction): "off", "on", or "both" (each
     # confidence policy runs with it, and also without it as "<policy>/no-correction", interleaved in the same run)
     slot_correction: str = "off"
+    # what the draft gate decides for (EngineConfig.draft_gate_scope): "batch", "request", or "both" (each
+    # cost-reading policy runs in batch scope, and also in request scope as "<policy>/request-scope", interleaved)
+    draft_gate_scope: str = "batch"
 
     def __post_init__(self):
         if not self.policies:
@@ -88,6 +91,8 @@ class BenchSettings:
             raise InvalidArgument("draft_gate", self.draft_gate, "must be 'on', 'off' or 'both'")
         if self.slot_correction not in ("on", "off", "both"):
             raise InvalidArgument("slot_correction", self.slot_correction, "must be 'on', 'off' or 'both'")
+        if self.draft_gate_scope not in ("batch", "request", "both"):
+            raise InvalidArgument("draft_gate_scope", self.draft_gate_scope, "must be 'batch', 'request' or 'both'")
         if self.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens", self.max_new_tokens, "must be >= 1")
 
@@ -259,6 +264,7 @@ def _record(req, prompt_index: int, t_add: float, t_done: float) -> RequestRecor
 NO_HISTORY = "/no-history"  # a policy run without the request-history recalibration (BenchSettings.request_history)
 NO_GATE = "/no-gate"  # a policy run without the draft gate (BenchSettings.draft_gate)
 NO_CORRECTION = "/no-correction"  # a policy run without the online slot correction (BenchSettings.slot_correction)
+REQUEST_SCOPE = "/request-scope"  # a policy whose draft gate decides per request (BenchSettings.draft_gate_scope)
 
 
 def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchSettings, sps):
@@ -267,12 +273,15 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
     history = settings.request_history != "off"
     gate = settings.draft_gate != "off"
     correction = settings.slot_correction != "off"
+    scope = "request" if settings.draft_gate_scope == "request" else "batch"
     if policy.endswith(NO_HISTORY):
         policy, history = policy[:-len(NO_HISTORY)], False
     elif policy.endswith(NO_GATE):
         policy, gate = policy[:-len(NO_GATE)], False
     elif policy.endswith(NO_CORRECTION):
         policy, correction = policy[:-len(NO_CORRECTION)], False
+    elif policy.endswith(REQUEST_SCOPE):
+        policy, scope = policy[:-len(REQUEST_SCOPE)], "request"
     if policy == "ar":
         drafter = None
     from .cost_model import SpsTable
@@ -285,7 +294,8 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
                                                 max_active=concurrency, max_waiting=max(1024, concurrency),
                                                 online_sps=online, isolate_seeded=False,
                                                 request_history=history, draft_window=settings.draft_window,
-                                                gate_drafts=gate, slot_correction=correction),
+                                                gate_drafts=gate, slot_correction=correction,
+                                                draft_gate_scope=scope),
                   sps=sps if policy in SPS_POLICIES else None)
 
 
@@ -373,7 +383,8 @@ def hf_generate(peer: HFPeer, mode: str, prompt_ids: Sequence[int], max_new_toke
 def with_variants(settings: BenchSettings, policies: Sequence[str]) -> list[str]:
     """`policies`, plus "<policy>/no-history" for each confidence policy when `settings.request_history` is
     "both", "<policy>/no-gate" for each cost-reading policy (the gate's) when `settings.draft_gate` is, and
-    "<policy>/no-correction" for each confidence policy when `settings.slot_correction` is."""
+    "<policy>/no-correction" for each confidence policy when `settings.slot_correction` is, and
+    "<policy>/request-scope" for each cost-reading policy when `settings.draft_gate_scope` is."""
     out = list(policies)
     if settings.request_history == "both":
         out += [p + NO_HISTORY for p in policies if p in CONFIDENCE_POLICIES]
@@ -381,6 +392,8 @@ def with_variants(settings: BenchSettings, policies: Sequence[str]) -> list[str]
         out += [p + NO_GATE for p in policies if p in SPS_POLICIES]
     if settings.slot_correction == "both":
         out += [p + NO_CORRECTION for p in policies if p in CONFIDENCE_POLICIES]
+    if settings.draft_gate_scope == "both":
+        out += [p + REQUEST_SCOPE for p in policies if p in SPS_POLICIES]
     return out
 
 
@@ -577,6 +590,8 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
         out["draft_gate_vs_off"] = vs_variant(NO_GATE)
     if settings.slot_correction == "both":
         out["slot_correction_vs_off"] = vs_variant(NO_CORRECTION)
+    if settings.draft_gate_scope == "both":
+        out["draft_gate_batch_vs_request_scope"] = vs_variant(REQUEST_SCOPE)
     if hf_modes:
         out["hf"] = {m: round(_rate([r for _, _, r in batch1[f"hf_{m}"]]), 3) for m in hf_modes}
         out["hf_per_request_median"] = {m: round(statistics.median(r.tokens_per_s for _, _, r in batch1[f"hf_{m}"]), 3)

@@ -67,20 +67,22 @@ def test_profile_sps_runs_causal_and_async_and_text_output(tiny_stack, capsys):
     assert "skipped" not in out  # the quick table is used; nothing skipped (2 prompts at c = 2: flagged, not skipped)
 
 
-def test_draft_gate_both_runs_each_cost_policy_without_the_gate_too(tiny_stack, capsys):
+def test_draft_gate_both_runs_each_cost_policy_without_the_gate_and_in_request_scope_too(tiny_stack, capsys):
     s = tiny_stack
     rc = main(["bench", "--target", s["target"], "--drafter-path", s["drafter"], "--dataset", s["data"], "--split", "all",
                "--no-hf", "--profile-sps", "--concurrency", "1,2", "--policy", "causal,fixed,ar", "--draft-gate", "both",
-               "--num-prompts", "2", "--max-new-tokens", "5", "--json"])
+               "--draft-gate-scope", "both", "--num-prompts", "2", "--max-new-tokens", "5", "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
     points = {(x["policy"], x["concurrency"]): x for x in r["results"]}
-    # only the cost-reading policy has a gate to turn off
-    assert set(points) == {(p, c) for p in ("causal", "causal/no-gate", "fixed", "ar") for c in (1, 2)}
+    # only the cost-reading policy has a gate to turn off, or to scope
+    assert set(points) == {(p, c) for p in ("causal", "causal/no-gate", "causal/request-scope", "fixed", "ar")
+                           for c in (1, 2)}
     assert all(x["outputs_match_ar"] is True for x in r["results"])
-    assert set(r["draft_gate_vs_off"]) == {"causal"} and set(r["draft_gate_vs_off"]["causal"]) == {"1", "2"}
-    assert all(v > 0 for v in r["draft_gate_vs_off"]["causal"].values())
-    assert r["config"]["draft_gate"] == "both"
+    for key in ("draft_gate_vs_off", "draft_gate_batch_vs_request_scope"):
+        assert set(r[key]) == {"causal"} and set(r[key]["causal"]) == {"1", "2"}
+        assert all(v > 0 for v in r[key]["causal"].values())
+    assert r["config"]["draft_gate"] == "both" and r["config"]["draft_gate_scope"] == "both"
 
 
 def test_slot_correction_both_runs_each_confidence_policy_with_and_without_it(tiny_stack, capsys):
@@ -153,6 +155,7 @@ def test_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--draft-gate", "both"], "--draft-gate"),  # the services' gate is the engine default
     (["--slot-correction", "on"], "--slot-correction"),  # the scheduler's own flag decides there
+    (["--draft-gate-scope", "both"], "--draft-gate-scope"),
 ])
 def test_distributed_bad_flags_are_one_line_exit_2(tiny_target_dir, capsys, args, flag):
     rc = main(["bench", "--distributed", "--target", str(tiny_target_dir), *args])
