@@ -38,6 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="on: learn the workload's level of the drafter's confidences online, per position (greedy "
                         "and sampled requests apart), and plan on the corrected ones (default off: measured neutral "
                         "to negative with the shipped SmolLM2 drafter, docs/results/smollm2/README.md)")
+    p.add_argument("--draft-gate-scope", choices=("batch", "request"), default=flags.env("DRAFT_GATE_SCOPE", "batch"),
+                   help="what the draft gate decides for: batch (default: a step runs the drafter when the requests "
+                        "whose drafts pay are worth a pass's fixed cost; gated requests probe together in one pass) "
+                        "or request (each request on its own, carrying its share of the pass)")
     p.add_argument("--draft-window", type=int, default=int(flags.env("DRAFT_WINDOW", DRAFT_WINDOW)),
                    help="a request's drafter context begins at most this many positions before its first anchor "
                         "(only those prompt positions' features are computed into replies and sent); 0 = the "
@@ -105,6 +109,8 @@ def run(args) -> int:
         raise InvalidArgument("DSPARK_AUTOSCALE_POOLS", pools, "must be set (JSON pool settings) with --autoscale")
     if args.slot_correction not in ("on", "off"):  # from DSPARK_SLOT_CORRECTION (argparse checks only the flag)
         raise InvalidArgument("--slot-correction", args.slot_correction, "must be 'on' or 'off'")
+    if args.draft_gate_scope not in ("batch", "request"):  # from DSPARK_DRAFT_GATE_SCOPE
+        raise InvalidArgument("--draft-gate-scope", args.draft_gate_scope, "must be 'batch' or 'request'")
     cfg = SchedulerConfig(
         server=ServerConfig(args.port, args.host, args.drain_seconds),
         verifier_addresses=_addresses(args.verifier_addresses), drafter_addresses=_addresses(args.drafter_addresses),
@@ -117,7 +123,7 @@ def run(args) -> int:
         namespace=os.environ.get("POD_NAMESPACE", "default"),
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
         draft_window=args.draft_window or None, record_rounds=args.record_rounds,
-        slot_correction=args.slot_correction == "on",
+        slot_correction=args.slot_correction == "on", draft_gate_scope=args.draft_gate_scope,
         target_user_tps=float(args.target_user_tps) if args.target_user_tps is not None else None,
         verifier_grace_s=args.verifier_grace, tls_dir=args.tls_dir, api_keys=flags.api_keys(args),
         **flags.redis_auth())

@@ -87,6 +87,8 @@ class SchedulerConfig:
     # the engine's online slot correction (EngineConfig.slot_correction): per position, the workload's level of
     # the confidences learned from verified rounds
     slot_correction: bool = False
+    # what the draft gate decides for (EngineConfig.draft_gate_scope): "batch" or "request"
+    draft_gate_scope: str = "batch"
     # a request's drafter context begins at most this many positions before its first anchor
     # (EngineConfig.draft_window; None = the whole prompt)
     draft_window: int | None = DRAFT_WINDOW
@@ -110,7 +112,7 @@ class SchedulerConfig:
         EngineConfig(policy=self.policy, block_size=self.block_size, max_active=self.max_active,
                      max_waiting=self.max_waiting, calibration_bound=self.calibration_bound,
                      collapse_ratio=self.collapse_ratio, draft_window=self.draft_window,
-                     slot_correction=self.slot_correction)  # validates
+                     slot_correction=self.slot_correction, draft_gate_scope=self.draft_gate_scope)  # validates
         if self.target_user_tps is not None and not self.target_user_tps > 0:
             raise InvalidArgument("target_user_tps", self.target_user_tps, "must be > 0 tokens per second")
         if not self.verifier_grace_s >= 0:
@@ -166,7 +168,8 @@ class SchedulerApp(ServingApp):
         return EngineConfig(policy=policy, block_size=c.block_size, max_active=c.max_active,
                             max_waiting=c.max_waiting, calibration_bound=c.calibration_bound,
                             collapse_ratio=c.collapse_ratio, online_sps=online_sps and has_sps,
-                            draft_window=c.draft_window, slot_correction=c.slot_correction)
+                            draft_window=c.draft_window, slot_correction=c.slot_correction,
+                            draft_gate_scope=c.draft_gate_scope)
 
     def _build_embedded(self) -> _Stack:
         from dspark_core.sampling import SamplingParams

@@ -26,8 +26,10 @@ SERVE: dict[str, ServeFlags] = {
         # --calibration-bound / --collapse-ratio / --target-user-tps: online operation (issue 17)
         # --draft-window: the drafter's context window (EngineConfig.draft_window)
         # --slot-correction: the online slot correction (EngineConfig.slot_correction)
+        # --draft-gate-scope: what the draft gate decides for (EngineConfig.draft_gate_scope)
         optional=frozenset({"--policy", "--target", "--served-model-name", "--calibration-bound", "--collapse-ratio",
-                            "--target-user-tps", "--draft-window", "--slot-correction"}),
+                            "--target-user-tps", "--draft-window", "--slot-correction",
+                            "--draft-gate-scope"}),
         switches=frozenset({"--autoscale"}),
     ),
     "verifier": ServeFlags(

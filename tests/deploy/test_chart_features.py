@@ -420,12 +420,20 @@ def test_scheduler_gets_the_online_operation_flags(objects):
     assert args[args.index("--collapse-ratio") + 1] == "0.25"
     assert "--target-user-tps" not in args  # 0 = off
     assert args[args.index("--slot-correction") + 1] == "off"
+    assert args[args.index("--draft-gate-scope") + 1] == "batch"
 
 
 def test_slot_correction_value_reaches_the_scheduler_flag(chart):
     on = main_container(deployment_of(manifests(render(chart, {"scheduler": {"slotCorrection": True}})), "scheduler"))
     assert on["args"][on["args"].index("--slot-correction") + 1] == "on"
     assert "slotCorrection" in _render_error(chart, {"scheduler": {"slotCorrection": "yes"}})
+
+
+def test_draft_gate_scope_value_reaches_the_scheduler_flag(chart):
+    req = main_container(deployment_of(manifests(render(chart, {"scheduler": {"draftGateScope": "request"}})),
+                                       "scheduler"))
+    assert req["args"][req["args"].index("--draft-gate-scope") + 1] == "request"
+    assert "draftGateScope" in _render_error(chart, {"scheduler": {"draftGateScope": "step"}})
 
 
 def test_verifier_weights_value_reaches_the_service_flag(chart):

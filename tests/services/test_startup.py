@@ -111,6 +111,18 @@ def test_bad_log_level_from_env(monkeypatch, capsys):
     assert "\n" not in err and "--log-level" in err and "'loud'" in err
 
 
+@pytest.mark.parametrize("env,value,flag", [("DSPARK_DRAFT_GATE_SCOPE", "step", "--draft-gate-scope"),
+                                             ("DSPARK_SLOT_CORRECTION", "maybe", "--slot-correction")])
+def test_bad_scheduler_engine_settings_from_env(monkeypatch, capsys, env, value, flag):
+    """argparse checks a flag's choices, not a default taken from the environment: the scheduler does."""
+    from dspark_cli.main import main
+
+    monkeypatch.setenv(env, value)
+    assert main(["serve", "scheduler"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and flag in err and f"'{value}'" in err
+
+
 def test_service_entry_point_reports_one_line_too():
     proc = subprocess.run([sys.executable, "-m", "services.drafter.main", "--redis-url", "localhost:6379"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
