@@ -21,6 +21,7 @@ the confidences of the requests being served now (cycled when a verifier would h
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -67,9 +68,10 @@ class DraftCost:
         return self.base + self.per_request * m
 
     @classmethod
-    def from_observation(cls, seconds: float, requests: int, base_share: float = 0.5) -> "DraftCost":
-        """From one measured step (`seconds` for `requests` requests): `base_share` of it fixed, the rest per
-        request (a batched drafter pays a fixed cost per call and a small one per request)."""
+    def from_observation(cls, seconds: float, requests: float, base_share: float = 0.5) -> "DraftCost":
+        """From one measured step (`seconds` for `requests` requests, or a mean of steps and their mean size):
+        `base_share` of it fixed, the rest per request (a batched drafter pays a fixed cost per call and a small
+        one per request)."""
         if not seconds > 0 or requests < 1:
             return cls()
         return cls(base=seconds * base_share, per_request=seconds * (1 - base_share) / requests)
@@ -90,15 +92,13 @@ class DraftCostFit:
         if not 0.0 <= base_share <= 1.0:
             raise InvalidArgument("base_share", base_share, "must be in [0, 1]")
         self.window, self.base_share = window, base_share
-        self._passes: list[tuple[int, float]] = []
+        self._passes: deque[tuple[int, float]] = deque(maxlen=window)
         self._cost: DraftCost | None = None
 
     def observe(self, requests: int, seconds: float) -> None:
         if requests < 1 or not seconds >= 0.0 or not math.isfinite(seconds):
             return
         self._passes.append((int(requests), float(seconds)))
-        if len(self._passes) > self.window:
-            del self._passes[0]
         self._cost = None
 
     @property
@@ -123,7 +123,7 @@ class DraftCostFit:
             base = mt - slope * mn
             if slope >= 0.0 and base >= 0.0:
                 return DraftCost(base=base, per_request=slope)
-        return DraftCost(base=mt * self.base_share, per_request=mt * (1.0 - self.base_share) / mn)
+        return DraftCost.from_observation(mt, mn, self.base_share)
 
 
 @dataclass(frozen=True)
