@@ -160,6 +160,14 @@ def test_interpolation_along_gamma1_curve():
                                                  "4": pytest.approx(10.0 / 7.5, abs=1e-4)}
     assert at_least_matched_speedup(results + [{"policy": "gamma1", "concurrency": 8, "aggregate_tokens_per_s": 50.0,
                                                 "per_user_tokens_per_s": 6.0}])["8"] is None
+    # a tie at one concurrency (causal 0.02% under gamma1's throughput, as measured on an Intel box at c = 8) is
+    # read against that point, not against causal's far slower per-user speed at c = 32; 2% under is not a tie
+    tie = [{"policy": "gamma1", "concurrency": 8, "aggregate_tokens_per_s": 93.47, "per_user_tokens_per_s": 11.93},
+           {"policy": "causal", "concurrency": 8, "aggregate_tokens_per_s": 93.45, "per_user_tokens_per_s": 12.22},
+           {"policy": "causal", "concurrency": 32, "aggregate_tokens_per_s": 103.0, "per_user_tokens_per_s": 3.31}]
+    assert at_least_matched_speedup(tie)["8"] == pytest.approx(12.22 / 11.93, abs=1e-4)
+    tie[1]["aggregate_tokens_per_s"] = 91.6
+    assert at_least_matched_speedup(tie)["8"] == pytest.approx(3.31 / 11.93, abs=1e-4)
     assert same_concurrency_speedup(results) == {"1": 1.4, "2": pytest.approx(12.0 / 9.0, abs=1e-4),
                                                  "4": pytest.approx(10.0 / 7.5, abs=1e-4)}
 
