@@ -36,8 +36,10 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "dev"
 DATASETS = ("mbpp", "livecodebench", "math500", "arena-hard-v2")
 
 
-def slot_values(target, drafter, sample, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-    """alpha [A, gamma] and raw confidence logits [A, gamma] for every anchor of one sample's response."""
+def teacher_forced(target, drafter, sample, temperature: float):
+    """One sample's response under teacher forcing: (draft logits [A * gamma, V_d], target logits [A * gamma, V]
+    at the same positions, the target's T probabilities on the draft vocabulary's columns or None, raw confidence
+    logits [A, gamma]), every response position an anchor; None when the response is shorter than a block."""
     gamma, ids = drafter.block_size, sample.input_ids
     seq = target.new_sequence()
     try:
@@ -47,7 +49,7 @@ def slot_values(target, drafter, sample, temperature: float) -> tuple[np.ndarray
     first = len(sample.prompt_ids) - 1  # anchor = last committed token; slot 0 predicts ids[anchor + 1]
     anchors = torch.arange(first, len(ids) - gamma)
     if anchors.numel() == 0:
-        return np.zeros((0, gamma)), np.zeros((0, gamma))
+        return None
     with torch.no_grad():
         out = drafter.training_forward(torch.tensor([ids]), res.taps[None].float(), anchors[None])
         draft_logits = out.logits[0].reshape(-1, out.logits.shape[-1])  # [A * gamma, V]
@@ -55,13 +57,20 @@ def slot_values(target, drafter, sample, temperature: float) -> tuple[np.ndarray
         rows = (anchors[:, None] + torch.arange(gamma)).reshape(-1)
         target_logits = res.logits[rows].float()
         vocab_ids = getattr(drafter, "draft_vocab_ids", None)
-        if vocab_ids is None:
-            alpha = acceptance_probability(draft_logits, target_logits, temperature, drafter.support_size)
-        else:  # a draft vocabulary: q lives on its columns; target mass outside them is never accepted
-            p = torch.softmax(target_logits / temperature, dim=-1)[:, vocab_ids]
-            alpha = acceptance_probability(draft_logits, target_logits, temperature, drafter.support_size,
-                                           p_target=p)
-    return alpha.reshape(-1, gamma).numpy(), out.confidence_logits[0].float().numpy()
+        # a draft vocabulary: q lives on its columns; target mass outside them is never accepted
+        p = None if vocab_ids is None else torch.softmax(target_logits / temperature, dim=-1)[:, vocab_ids]
+    return draft_logits, target_logits, p, out.confidence_logits[0].float().numpy()
+
+
+def slot_values(target, drafter, sample, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """alpha [A, gamma] and raw confidence logits [A, gamma] for every anchor of one sample's response."""
+    gamma = drafter.block_size
+    forced = teacher_forced(target, drafter, sample, temperature)
+    if forced is None:
+        return np.zeros((0, gamma)), np.zeros((0, gamma))
+    draft_logits, target_logits, p, conf = forced
+    alpha = acceptance_probability(draft_logits, target_logits, temperature, drafter.support_size, p_target=p)
+    return alpha.reshape(-1, gamma).numpy(), conf
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from auc_ceiling import teacher_forced  # scripts/ is on the path when run as a script
 from dspark_cli.models import default_target, drafter_dir, load_stack
 from dspark_core.training.data import distill, load_prompts, split
 from dspark_core.training.losses import acceptance_probability
@@ -34,26 +34,13 @@ DATASETS = ("mbpp", "livecodebench", "math500", "arena-hard-v2")
 
 def slot_alphas(target, drafter, sample, temperature: float, scales: list[float]) -> np.ndarray:
     """alpha [S, A, gamma] for every scale and anchor of one sample's response."""
-    gamma, ids = drafter.block_size, sample.input_ids
-    seq = target.new_sequence()
-    try:
-        res = target.forward([(seq, ids)])
-    finally:
-        target.release(seq)
-    first = len(sample.prompt_ids) - 1
-    anchors = torch.arange(first, len(ids) - gamma)
-    if anchors.numel() == 0:
+    gamma = drafter.block_size
+    forced = teacher_forced(target, drafter, sample, temperature)
+    if forced is None:
         return np.zeros((len(scales), 0, gamma))
-    with torch.no_grad():
-        out = drafter.training_forward(torch.tensor([ids]), res.taps[None].float(), anchors[None])
-        draft_logits = out.logits[0].reshape(-1, out.logits.shape[-1])
-        rows = (anchors[:, None] + torch.arange(gamma)).reshape(-1)
-        target_logits = res.logits[rows].float()
-        vocab_ids = getattr(drafter, "draft_vocab_ids", None)
-        p = None if vocab_ids is None else torch.softmax(target_logits / temperature, dim=-1)[:, vocab_ids]
-        per_scale = [acceptance_probability(draft_logits / s, target_logits, temperature, drafter.support_size,
-                                            p_target=p).reshape(-1, gamma).numpy() for s in scales]
-    return np.stack(per_scale)
+    draft_logits, target_logits, p, _ = forced
+    return np.stack([acceptance_probability(draft_logits / s, target_logits, temperature, drafter.support_size,
+                                            p_target=p).reshape(-1, gamma).numpy() for s in scales])
 
 
 def main() -> None:
