@@ -906,14 +906,12 @@ class Engine:
             if r.draft_gate_surplus >= 0:
                 r.draft_gate_skip = 0
             else:
-                skip = r.draft_gate_skip = min(cfg.draft_gate_max, max(cfg.draft_gate_min, 2 * r.draft_gate_skip))
-                r.draft_again_at = self._probe_step(skip)
+                r.draft_gate_skip, r.draft_again_at = self._back_off(r.draft_gate_skip)
         if batch:
             if self._pass_pays(self.active):
                 self._pass_skip = 0
             else:  # the requests whose drafts pay are not worth a pass: the batch looks again later, together
-                self._pass_skip = min(cfg.draft_gate_max, max(cfg.draft_gate_min, 2 * self._pass_skip))
-                self._pass_again_at = self._probe_step(self._pass_skip)
+                self._pass_skip, self._pass_again_at = self._back_off(self._pass_skip)
         for r in reqs:
             # what a request of this kind skipped (in batch scope the batch's skip, when its drafts paid but the
             # batch's did not)
@@ -952,6 +950,12 @@ class Engine:
             self.num_probe_passes += 1
             return list(range(len(reqs)))
         return []
+
+    def _back_off(self, skip: int) -> tuple[int, int]:
+        """One more gated round on a doubling ladder (a request's, or in batch scope the batch's): the next skip,
+        doubled within [draft_gate_min, draft_gate_max], and the step it probes at."""
+        skip = min(self.config.draft_gate_max, max(self.config.draft_gate_min, 2 * skip))
+        return skip, self._probe_step(skip)
 
     def _probe_step(self, skip: int) -> int:
         """The step a request skipping `skip` steps drafts again: at least `skip` steps ahead, on a multiple
