@@ -114,12 +114,11 @@ def _quick_profile(target_dir: Path, budget_s: float, when_missing: bool = True)
         if why is None:
             return 0
         print(f"the cost table {found} is stale ({why}): measuring it again")
-    import torch
-
     from dspark_core.profiling import quick_sps_table
 
     target = load_target_runtime(str(target_dir))
-    torch.set_num_threads(1)  # the serving default on a CPU box; `dspark profile --threads` for others
+    # torch's own thread count, what `dspark serve` and `dspark generate` run with (our kernels split the large
+    # passes between the threads, the small ones stay on one); `dspark profile --threads N` for another count
     table = quick_sps_table(target, budget_s=budget_s)
     table.save(target_dir / SPS_FILE)
     print(f"profiled a quick cost table ({len(table.batch_sizes)} batch sizes, {table.weights or 'loaded'} weights) "

@@ -30,6 +30,10 @@ VARIANTS = {
              "scheduler": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}},
     "e-passive": {"all": {"OMP_WAIT_POLICY": "PASSIVE"}},
     "e-spin": {"all": {"GOMP_SPINCOUNT": "20000"}},
+    # one intra-op thread: what every deployment ran before our kernels were built with OpenMP (kernels/parallel.h)
+    "e-1thread": {"all": {"OMP_NUM_THREADS": "1"}},
+    "1thread": {"verifier": {"OMP_NUM_THREADS": "1"}, "drafter": {"OMP_NUM_THREADS": "1"},
+                "scheduler": {"OMP_NUM_THREADS": "1"}},
     "passive-bf16": {"verifier": {"OMP_WAIT_POLICY": "PASSIVE", "ARGS": ["--feature-dtype", "bfloat16"]},
                      "drafter": {"OMP_WAIT_POLICY": "PASSIVE"},
                      "scheduler": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}},

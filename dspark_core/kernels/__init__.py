@@ -18,10 +18,16 @@ Built on first use into `$DSPARK_HOME/kernels` (default ~/.cache/dspark/kernels;
 by the source's hash and the instruction set. Built for AVX512-VNNI where the CPU has it, else for AVX2 + FMA +
 F16C (`DSPARK_KERNEL_ISA=avx2` forces the AVX2 build, for tests); `DSPARK_Q8DOT=0` turns the kernels off (then
 `gguf` serves through PyTorch's int4 kernel with bf16 activations, a different rounding of the same codes).
+
+Threads: built with OpenMP, a call splits between torch's intra-op threads (whole output columns, whole attention
+rows: the same bits) once its work reaches 2^23 multiply-adds (parallel.h; smaller calls stay on the calling
+thread, where a thread wake-up would cost more than it saves). `DSPARK_PARALLEL_MIN_WORK` or
+`parallel_min_work()` moves that threshold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -44,6 +50,10 @@ _ISAS = (
 # and the compiler knows it (q8dot.cpp; the same outputs bit for bit, from 8 rows on); DSPARK_AMX=0 builds without.
 _AMX_FLAGS = {"amx_tile", "amx_int8"}
 _AMX_CFLAGS = ["-mamx-tile", "-mamx-int8"]
+# every build: OpenMP, so that at::parallel_for in the kernels really splits the large calls between threads
+# (without it the pragma compiles away and every kernel ran on one thread whatever torch's thread count);
+# kernels/parallel.h says from which size on
+_COMMON_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 _state: dict[str, object] = {}
 BLOCK = 32
 
@@ -91,9 +101,9 @@ def build_dir(name: str) -> Path:
     """Where the kernels for instruction set `name` are built (keyed by the sources, torch's version and, for the
     instruction set chosen here, its compiler flags: a build with the AMX path is another build)."""
     home = Path(os.environ.get("DSPARK_HOME", Path.home() / ".cache" / "dspark"))
-    parts = _SOURCES + [Path(__file__).with_name("vec_math.h")]
+    parts = _SOURCES + [Path(__file__).with_name(h) for h in ("vec_math.h", "parallel.h")]
     chosen = isa()
-    flags = " ".join(chosen[1]) if not isinstance(chosen, str) and chosen[0] == name else ""
+    flags = " ".join(_COMMON_CFLAGS + (chosen[1] if not isinstance(chosen, str) and chosen[0] == name else []))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + torch.__version__.encode()
                             + flags.encode()).hexdigest()
     return home / "kernels" / f"cpu-{name}-{digest[:12]}"
@@ -134,6 +144,20 @@ def amx_rows(rows: int) -> bool:
     return q8dot_unavailable() is None and bool(torch.ops.dspark_cpu.q8dot_amx(int(rows)))
 
 
+@contextlib.contextmanager
+def parallel_min_work(work: int):
+    """Within the block, our kernels split a call between threads from `work` multiply-adds on (0: every call
+    torch's thread count allows), e.g. so that tests reach the threaded path with small tensors. The kernels must
+    run here."""
+    if q8dot_unavailable() is not None:
+        raise RuntimeError(f"our CPU kernels do not run here: {q8dot_unavailable()}")
+    previous = torch.ops.dspark_cpu.set_parallel_min_work(int(work))
+    try:
+        yield
+    finally:
+        torch.ops.dspark_cpu.set_parallel_min_work(previous)
+
+
 def kernel_isa() -> str | None:
     """The instruction set our kernels run with here ("avx512" / "avx2"), None where they do not run."""
     return _state.get("isa") if q8dot_unavailable() is None else None  # type: ignore[return-value]
@@ -155,7 +179,7 @@ def _load(name: str, cflags: list[str]) -> str | None:
         out.mkdir(parents=True, exist_ok=True)
         _log.warning("building the q8dot CPU kernels (%s) into %s (once per machine, ~30 s)", name, out)
         load(name="dspark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(out), is_python_module=False,
-             extra_cflags=["-O3", "-ffp-contract=off", *cflags], verbose=False)
+             extra_cflags=[*_COMMON_CFLAGS, *cflags], verbose=False)
         return None
     except Exception as exc:  # no compiler, no ninja, a failed build: serve through PyTorch's kernels
         _log.warning("q8dot kernels unavailable (%s): gguf weights use PyTorch's int4 kernel", exc)

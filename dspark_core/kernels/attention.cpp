@@ -19,6 +19,7 @@
 #include <vector>
 #include <immintrin.h>
 
+#include "parallel.h"
 #include "vec_math.h"
 
 namespace {
@@ -226,13 +227,20 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k, con
   auto out = rows_major ? torch::empty({n * Q, h * d}, torch::kFloat32) : torch::empty({n, h, Q, d}, torch::kFloat32);
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  // the multiply-adds of the call (scores and weighted sums, at most every key for every row): split between
+  // threads only from parallel.h's threshold on
+  int64_t keys = 0;
+  for (int64_t i = 0; i < n * Q; ++i) keys += len[i];
+  const bool split = dspark_kernels::splits(2 * keys * h * d);
   // smaller row blocks where there would be too few tasks to keep every thread busy (results do not depend on it)
   int64_t rb = kRowBlock;
-  while (rb > 1 && n * kvh * ((Q + rb - 1) / rb) < 2 * at::get_num_threads()) rb /= 2;
+  const int64_t threads = split ? at::get_num_threads() : 1;
+  while (threads > 1 && rb > 1 && n * kvh * ((Q + rb - 1) / rb) < 2 * threads) rb /= 2;
   const int64_t group = h / kvh, blocks = (Q + rb - 1) / rb;
   const GroupFn fn = group_fn(d);
   // one task: a sequence's key / value head, the query heads that share it, and a block of up to 8 query rows
-  at::parallel_for(0, n * kvh * blocks, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t tasks = n * kvh * blocks;
+  at::parallel_for(0, tasks, split ? 1 : std::max<int64_t>(tasks, 1), [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / (kvh * blocks), g = t / blocks % kvh, i0 = t % blocks * rb;

@@ -28,6 +28,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "parallel.h"
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -354,10 +356,10 @@ inline void q8_tile_amx(const uint8_t* tile, const int8_t* xu, const float* s, i
 }
 
 template <typename Tile>
-void run_tiles_amx(int64_t M, int64_t N, Tile tile) {
+void run_tiles_amx(int64_t M, int64_t N, int64_t K, Tile tile) {
   const int64_t tiles = N / 16;
   const int cfg_rows = static_cast<int>(std::min<int64_t>(M, kAmxRows));
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tiles, dspark_kernels::grain_for(tiles, M * N * K, 16), [&](int64_t t0, int64_t t1) {
     amx_configure(cfg_rows);  // per thread; the A and C tiles always hold cfg_rows rows (padding past M)
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m = 0; m < M; m += kAmxRows) {
@@ -467,9 +469,9 @@ void check(const torch::Tensor& x, const torch::Tensor& codes, int64_t n, int64_
 }
 
 template <typename Tile>
-void run_tiles(int64_t M, int64_t N, Tile tile) {
+void run_tiles(int64_t M, int64_t N, int64_t K, Tile tile) {
   const int64_t tiles = N / 16;
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tiles, dspark_kernels::grain_for(tiles, M * N * K, 16), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t m = 0;
       for (; m + kRows <= M; m += kRows) tile(t, m, std::integral_constant<int, kRows>{});
@@ -538,7 +540,7 @@ __attribute__((noinline)) torch::Tensor q4_mm_amx(const torch::Tensor& x, const 
   const float *sp = p.s.data_ptr<float>(), *ssp = p.ssum.data_ptr<float>();
   float* yp = p.y.data_ptr<float>();
   const int64_t K = p.K, G = p.G;
-  run_tiles_amx(p.M, n, [&](int64_t t, int64_t m, auto rows) {
+  run_tiles_amx(p.M, n, p.K, [&](int64_t t, int64_t m, auto rows) {
     q4_tile_amx<decltype(rows)::value>(wp + t * G * kQ4Bytes, xp, sp, ssp, K, G, m, yp, n, t * 16);
   });
   return p.y;
@@ -551,7 +553,7 @@ __attribute__((noinline)) torch::Tensor q8_mm_amx(const torch::Tensor& x, const 
   const float* sp = p.s.data_ptr<float>();
   float* yp = p.y.data_ptr<float>();
   const int64_t K = p.K, G = p.G;
-  run_tiles_amx(p.M, n, [&](int64_t t, int64_t m, auto rows) {
+  run_tiles_amx(p.M, n, p.K, [&](int64_t t, int64_t m, auto rows) {
     q8_tile_amx<decltype(rows)::value>(wp + t * G * kQ8Bytes, xp, sp, K, G, m, yp, n, t * 16);
   });
   return p.y;
@@ -568,7 +570,7 @@ torch::Tensor q4_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t
   const float *sp = p.s.data_ptr<float>(), *ssp = p.ssum.data_ptr<float>();
   float* yp = p.y.data_ptr<float>();
   const int64_t K = p.K, G = p.G;
-  run_tiles(p.M, n, [&](int64_t t, int64_t m, auto rows) {
+  run_tiles(p.M, n, p.K, [&](int64_t t, int64_t m, auto rows) {
     q4_tile<decltype(rows)::value>(wp + t * G * kQ4Bytes, xp, sp, ssp, K, G, m, yp, n, t * 16, p.M);
   });
   return p.y;
@@ -584,7 +586,7 @@ torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t
   const float* sp = p.s.data_ptr<float>();
   float* yp = p.y.data_ptr<float>();
   const int64_t K = p.K, G = p.G;
-  run_tiles(p.M, n, [&](int64_t t, int64_t m, auto rows) {
+  run_tiles(p.M, n, p.K, [&](int64_t t, int64_t m, auto rows) {
     q8_tile<decltype(rows)::value>(wp + t * G * kQ8Bytes, xp, sp, K, G, m, yp, n, t * 16, p.M);
   });
   return p.y;
@@ -593,8 +595,15 @@ torch::Tensor q8_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t
 // Whether products of `rows` rows run on the tile unit here (for tests and reports).
 bool q8dot_amx(int64_t rows) { return use_amx(rows); }
 
+// The work (multiply-adds) from which a kernel call splits between threads (parallel.h); returns the previous value.
+int64_t set_parallel_min_work(int64_t work) {
+  TORCH_CHECK(work >= 0, "the parallel work threshold must be >= 0, got ", work);
+  return dspark_kernels::parallel_min_work().exchange(work);
+}
+
 TORCH_LIBRARY(dspark_cpu, m) {
   m.def("q4_mm(Tensor x, Tensor packed, int n) -> Tensor", q4_mm);
   m.def("q8_mm(Tensor x, Tensor packed, int n) -> Tensor", q8_mm);
   m.def("q8dot_amx(int rows) -> bool", q8dot_amx);
+  m.def("set_parallel_min_work(int work) -> int", set_parallel_min_work);
 }

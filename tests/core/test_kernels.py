@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark_core.kernels import q8dot_unavailable
+from dspark_core.kernels import parallel_min_work, q8dot_unavailable
 
 WHY = q8dot_unavailable()
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -50,12 +50,12 @@ def test_a_rows_attention_does_not_depend_on_what_shares_its_call():
             alone = _attn(q[r:r + 1, :, i:i + 1], k[r:r + 1, :, : max(lengths[r][i], 1)],
                           v[r:r + 1, :, : max(lengths[r][i], 1)], [[lengths[r][i]]], 0.125)
             assert torch.equal(alone[0, :, 0], full[r, :, i]), (r, i)
-    if torch.get_num_threads() == 1:
-        torch.set_num_threads(2)
-        try:
+    torch.set_num_threads(2)
+    try:
+        with parallel_min_work(0):  # split even this small call between the threads
             assert torch.equal(_attn(q, k, v, lengths, 0.125), full)  # threads split rows, never a row
-        finally:
-            torch.set_num_threads(1)
+    finally:
+        torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -71,7 +71,8 @@ def test_a_prefills_rows_get_their_one_row_bits_across_the_kernels_row_blocks(th
     lengths[0][5] = 0  # a padded row among them
     torch.set_num_threads(threads)
     try:
-        full = _attn(q, k, v, lengths, 0.125)
+        with parallel_min_work(0):
+            full = _attn(q, k, v, lengths, 0.125)
     finally:
         torch.set_num_threads(1)
     for i in range(rows):

@@ -121,6 +121,30 @@ def test_the_amx_tile_path_gives_every_row_the_one_row_kernels_bits():
                 assert torch.equal(lin(x), alone), (qtype, n, k, rows, (lin(x) - alone).abs().max())
 
 
+@pytest.mark.skipif(NO_Q8DOT is not None, reason=f"q8dot: {NO_Q8DOT}")
+def test_q8dot_products_split_between_threads_keep_their_one_thread_bits():
+    """Built with OpenMP, a large product splits its output columns between threads (kernels/parallel.h): every
+    row must keep the bits it gets on one thread and alone, below and above the threshold, split or not."""
+    from dspark_core.kernels import parallel_min_work
+
+    for qtype in ("Q4_1", "Q8_0"):
+        torch.manual_seed(5)
+        n, k = 576, 1536
+        lin = gguf_linear(_blocks(torch.randn(n, k) * 0.05, Q[qtype]), qtype, (n, k), kernel="q8dot")
+        x = torch.randn(40, k) * 3
+        one = lin(x)
+        alone = torch.cat([lin(x[i:i + 1].contiguous()) for i in range(3)])
+        torch.set_num_threads(2)
+        try:
+            for work in (0, 10 * n * k, 1 << 60):  # every call split, from 10 rows on, never
+                with parallel_min_work(work):
+                    for rows in (1, 3, 17, 40):
+                        assert torch.equal(lin(x[:rows]), one[:rows]), (qtype, work, rows)
+                    assert torch.equal(lin(x[:3]), alone), (qtype, work)
+        finally:
+            torch.set_num_threads(1)
+
+
 @pytest.mark.parametrize("fmt", [*PACKED, *(f"gguf-{q}-{k}" for q in ("Q4_0", "Q4_1", "Q8_0")
                                                for k in ("q8dot", "torch"))])
 def test_packed_products_are_batch_invariant(fmt):
