@@ -219,9 +219,55 @@ def service_main(prog: str, description: str, add_args, run, argv=None) -> int:
         return 2
 
 
+def cgroup_cpus(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs this process's cgroup may use by its quota (cgroup v2 `cpu.max`, else v1 `cpu.cfs_quota_us` /
+    `cpu.cfs_period_us`), None where there is no quota or no cgroup file to read."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = (f.read().split() + ["100000"])[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def size_threads(root: str = "/sys/fs/cgroup") -> int | None:
+    """Cap torch's intra-op threads at the CPUs this process may run on (its affinity and its cgroup's quota,
+    rounded up) unless OMP_NUM_THREADS says otherwise. torch counts the machine's cores, not a container's CPU limit,
+    and our kernels split large passes between all those threads: a 2-CPU pod on a 64-core node would run 64 threads
+    under a 2-CPU quota. Returns the count set, None where nothing changed."""
+    import logging
+    import math
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpus(root)
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    if cpus >= torch.get_num_threads():
+        return None
+    torch.set_num_threads(cpus)
+    logging.getLogger("dspark.server").info("intra-op threads capped at the CPUs this process may use",
+                                             extra={"threads": cpus, "cgroup_cpus": quota})
+    return cpus
+
+
 def run_app(app_factory, *more_factories) -> int:
     """Start an app (or several in one process, e.g. a verifier with its drafter beside it: each binds its own
-    port and publishes itself), serve until SIGTERM / SIGINT, drain them all, exit 0."""
+    port and publishes itself), serve until SIGTERM / SIGINT, drain them all, exit 0. Torch's threads are sized
+    to this process's CPUs first (`size_threads`)."""
+    size_threads()
+
     async def go():
         apps = []
         try:

@@ -255,3 +255,41 @@ def test_support_reading_pads_ragged_rows_and_keeps_negative_ids_for_the_checks_
     m.draft_supports.add(token_ids=[1, 2], probs=[1.0])
     with pytest.raises(InvalidArgument, match=r"draft_supports\[2\]"):
         supports_from_proto(m.draft_supports, 3, "p")
+
+
+def test_cgroup_cpus_reads_v2_and_v1_quotas(tmp_path):
+    from services.common.flags import cgroup_cpus
+
+    assert cgroup_cpus(str(tmp_path)) is None  # no cgroup files: no quota
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpus(str(tmp_path)) is None
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpus(str(tmp_path)) == 1.5
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpus(str(v1)) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    assert cgroup_cpus(str(v1)) == 0.5
+
+
+def test_a_pod_under_a_cpu_quota_runs_no_more_threads_than_it_may_use(tmp_path, monkeypatch):
+    import torch
+
+    from services.common.flags import size_threads
+
+    previous = torch.get_num_threads()
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a CPU: one thread
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        assert size_threads(str(tmp_path)) == 1 and torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # an explicit setting wins
+        assert size_threads(str(tmp_path)) is None and torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        (tmp_path / "cpu.max").write_text("max 100000\n")
+        assert size_threads(str(tmp_path)) is None and torch.get_num_threads() == 2  # no quota: torch's own
+    finally:
+        torch.set_num_threads(previous)
