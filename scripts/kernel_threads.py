@@ -8,6 +8,7 @@ OMP_WAIT_POLICY=PASSIVE, as the pods run."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -54,9 +55,8 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     threads = tuple(int(t) for t in args.threads.split(","))
     target = load_target_runtime(args.target or default_target())
-    if args.min_work is not None:
-        torch.ops.dspark_cpu.set_parallel_min_work(args.min_work)
-    med = ThreadPoolExecutor(1).submit(measure, target, rows, args.reps, threads).result()
+    with kernels.parallel_min_work(args.min_work) if args.min_work is not None else contextlib.nullcontext():
+        med = ThreadPoolExecutor(1).submit(measure, target, rows, args.reps, threads).result()
     base = threads[0]
     for r in rows:
         cells = ", ".join(f"{th} thread{'s' * (th > 1)} {med[(th, r)] * 1e3:7.1f} ms" for th in threads)

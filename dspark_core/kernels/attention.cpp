@@ -223,14 +223,16 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k, con
   TORCH_CHECK(lengths.scalar_type() == torch::kLong && lengths.dim() == 2 && lengths.size(0) == n &&
               lengths.size(1) == Q && lengths.is_contiguous(), "lengths must be int64 [n, rows]");
   const int64_t* len = lengths.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n * Q; ++i) TORCH_CHECK(len[i] >= 0 && len[i] <= KV, "length ", len[i], " out of range");
+  int64_t keys = 0;  // keys scored in all, for the work of the call below
+  for (int64_t i = 0; i < n * Q; ++i) {
+    TORCH_CHECK(len[i] >= 0 && len[i] <= KV, "length ", len[i], " out of range");
+    keys += len[i];
+  }
   auto out = rows_major ? torch::empty({n * Q, h * d}, torch::kFloat32) : torch::empty({n, h, Q, d}, torch::kFloat32);
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // the multiply-adds of the call (scores and weighted sums, at most every key for every row): split between
-  // threads only from parallel.h's threshold on
-  int64_t keys = 0;
-  for (int64_t i = 0; i < n * Q; ++i) keys += len[i];
+  // the multiply-adds of the call (scores and weighted sums over each row's keys): split between threads only from
+  // parallel.h's threshold on
   const bool split = dspark_kernels::splits(2 * keys * h * d);
   // smaller row blocks where there would be too few tasks to keep every thread busy (results do not depend on it)
   int64_t rb = kRowBlock;
@@ -240,7 +242,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k, con
   const GroupFn fn = group_fn(d);
   // one task: a sequence's key / value head, the query heads that share it, and a block of up to 8 query rows
   const int64_t tasks = n * kvh * blocks;
-  at::parallel_for(0, tasks, split ? 1 : std::max<int64_t>(tasks, 1), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tasks, dspark_kernels::grain_for(tasks, split, 1), [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / (kvh * blocks), g = t / blocks % kvh, i0 = t % blocks * rb;

@@ -26,13 +26,11 @@ inline std::atomic<int64_t>& parallel_min_work() {
   return value;
 }
 
-// The grain for at::parallel_for over `tasks` tasks of `work` multiply-adds in all: `grain` where the call is
-// worth splitting, else `tasks` (at::parallel_for then runs it on the calling thread).
-inline int64_t grain_for(int64_t tasks, int64_t work, int64_t grain) {
-  return work >= parallel_min_work().load(std::memory_order_relaxed) ? grain : std::max<int64_t>(tasks, 1);
-}
-
 // Whether a call of `work` multiply-adds may run on more than one thread.
 inline bool splits(int64_t work) { return work >= parallel_min_work().load(std::memory_order_relaxed); }
+
+// The grain for at::parallel_for over `tasks` tasks: `grain` where the call splits, else `tasks` (at::parallel_for
+// then runs it on the calling thread).
+inline int64_t grain_for(int64_t tasks, bool split, int64_t grain) { return split ? grain : std::max<int64_t>(tasks, 1); }
 
 }  // namespace dspark_kernels

@@ -359,7 +359,7 @@ template <typename Tile>
 void run_tiles_amx(int64_t M, int64_t N, int64_t K, Tile tile) {
   const int64_t tiles = N / 16;
   const int cfg_rows = static_cast<int>(std::min<int64_t>(M, kAmxRows));
-  at::parallel_for(0, tiles, dspark_kernels::grain_for(tiles, M * N * K, 16), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tiles, dspark_kernels::grain_for(tiles, dspark_kernels::splits(M * N * K), 16), [&](int64_t t0, int64_t t1) {
     amx_configure(cfg_rows);  // per thread; the A and C tiles always hold cfg_rows rows (padding past M)
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m = 0; m < M; m += kAmxRows) {
@@ -471,7 +471,7 @@ void check(const torch::Tensor& x, const torch::Tensor& codes, int64_t n, int64_
 template <typename Tile>
 void run_tiles(int64_t M, int64_t N, int64_t K, Tile tile) {
   const int64_t tiles = N / 16;
-  at::parallel_for(0, tiles, dspark_kernels::grain_for(tiles, M * N * K, 16), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tiles, dspark_kernels::grain_for(tiles, dspark_kernels::splits(M * N * K), 16), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t m = 0;
       for (; m + kRows <= M; m += kRows) tile(t, m, std::integral_constant<int, kRows>{});

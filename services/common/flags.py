@@ -222,20 +222,18 @@ def service_main(prog: str, description: str, add_args, run, argv=None) -> int:
 def cgroup_cpus(root: str = "/sys/fs/cgroup") -> float | None:
     """The CPUs this process's cgroup may use by its quota (cgroup v2 `cpu.max`, else v1 `cpu.cfs_quota_us` /
     `cpu.cfs_period_us`), None where there is no quota or no cgroup file to read."""
-    try:
-        with open(os.path.join(root, "cpu.max")) as f:
-            quota, period = (f.read().split() + ["100000"])[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
-            quota = int(f.read())
-        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
-            period = int(f.read())
-        return None if quota <= 0 or period <= 0 else quota / period
-    except (OSError, ValueError):
-        return None
+    from pathlib import Path
+
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            fields = Path(root, quota_file).read_text().split()
+            if period_file is not None:
+                fields.append(Path(root, period_file).read_text().strip())
+            quota, period = fields[0], int(fields[1]) if len(fields) > 1 else 100_000
+            return None if quota == "max" or int(quota) <= 0 or period <= 0 else int(quota) / period
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def size_threads(root: str = "/sys/fs/cgroup") -> int | None:

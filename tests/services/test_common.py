@@ -280,6 +280,7 @@ def test_a_pod_under_a_cpu_quota_runs_no_more_threads_than_it_may_use(tmp_path, 
     from services.common.flags import size_threads
 
     previous = torch.get_num_threads()
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})  # two CPUs to run on, whatever this machine has
     (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a CPU: one thread
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
