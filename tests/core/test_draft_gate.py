@@ -16,8 +16,11 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ("Write a Python function that reverses a string.", "for i in range(10):", "What is 12 * 7?")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# seconds per pass grow with every token: a pass of b tokens costs b one-token steps, so no draft can pay
-STEEP = SpsTable(batch_sizes=(1, 2, 4, 8, 16, 32, 64), steps_per_second=tuple(10.0 / b for b in (1, 2, 4, 8, 16, 32, 64)))
+# a pass of b tokens costs b^2 tenths of a second, at every size (no interpolation between rows): each extra
+# token costs more than a whole one-token step, so no draft can pay whatever the drafter's measured time. (A
+# pass time linear in b was only just unpayable, and between sparse rows the interpolated speed sat above the
+# curve: a confident request's drafts paid or not with the machine's timing.)
+STEEP = SpsTable(batch_sizes=tuple(range(1, 65)), steps_per_second=tuple(10.0 / b ** 2 for b in range(1, 65)))
 # a pass costs the same whatever it carries (drafting at ~1 ms against 1 s steps): every draft pays
 FLAT = SpsTable(batch_sizes=(1, 64), steps_per_second=(1.0, 1.0))
 
