@@ -53,11 +53,13 @@ class Deployment:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def metrics(self) -> tuple[int, dict[str, float]]:
-        from services.scheduler.stages import parse_prometheus
+    def metrics(self) -> tuple[int, dict[str, float], dict[str, float]]:
+        """(steps, stage seconds, speculation counters) from the scheduler's /metrics."""
+        from services.scheduler.stages import parse_prometheus, parse_spec_counters
 
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            return parse_prometheus(r.read().decode())
+            text = r.read().decode()
+        return (*parse_prometheus(text), parse_spec_counters(text))
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -266,9 +268,29 @@ def _sum_spans(spans) -> tuple[tuple[int, dict], tuple[int, dict]]:
     return (0, {}), (steps, secs)
 
 
-def _report(rates, stages, outputs, concurrencies, temperature, log_dir) -> dict:
+def _speculation(spans) -> dict:
+    """Per step over the load windows: what the policy and the draft gate decided (speculation_per_step)."""
+    from services.scheduler.stages import speculation_per_step
+
+    steps, total = 0, {}
+    for before, after in spans:
+        steps += after[0] - before[0]
+        for k, v in after[2].items():
+            total[k] = total.get(k, 0.0) + v - before[2].get(k, 0.0)
+    return speculation_per_step(steps, {}, total)
+
+
+def _breakdown(spans) -> dict:
     from services.scheduler.stages import per_step
 
+    out = per_step(*_sum_spans(spans))
+    spec = _speculation(spans)
+    if spec:
+        out["speculation"] = spec
+    return out
+
+
+def _report(rates, stages, outputs, concurrencies, temperature, log_dir) -> dict:
     results, ratio, paired = [], {}, {}
     for name, by_c in rates.items():
         for c, xs in by_c.items():
@@ -278,7 +300,7 @@ def _report(rates, stages, outputs, concurrencies, temperature, log_dir) -> dict
         e, d = rates["embedded"][c], rates["distributed"][c]
         ratio[str(c)] = round(_median(d) / _median(e), 3) if _median(e) else None
         paired[str(c)] = round(_median([b / a for a, b in zip(e, d) if a]), 3)
-    breakdown = {name: {str(c): per_step(*_sum_spans(spans)) for c, spans in by_c.items()}
+    breakdown = {name: {str(c): _breakdown(spans) for c, spans in by_c.items()}
                  for name, by_c in stages.items()}
     out = {"results": results, "distributed_vs_embedded": ratio, "distributed_vs_embedded_paired": paired,
            "stage_breakdown": breakdown, "logs": str(log_dir)}
@@ -307,6 +329,9 @@ def human_summary(r: dict) -> str:
                 continue
             parts = ", ".join(f"{'*' if k in _PARTS else ''}{k} {v * 1e3:.2f}" for k, v in sps.items())
             idle = ", ".join(f"{pod} idle {v:.0%}" for pod, v in b.get("pod_idle_share", {}).items())
-            lines.append(f"{name} c={c} ({b['steps']} steps, {b['wall_per_step_s'] * 1e3:.2f} ms/step"
+            sp = b.get("speculation")
+            spec = (f"; {sp['tokens_per_step']:.2f} tokens, {sp['draft_tokens_per_step']:.2f} draft tokens a step"
+                    if sp else "")
+            lines.append(f"{name} c={c} ({b['steps']} steps, {b['wall_per_step_s'] * 1e3:.2f} ms/step{spec}"
                          f"{'; ' + idle if idle else ''}): {parts}")
     return "\n".join(lines)

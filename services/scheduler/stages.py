@@ -98,6 +98,34 @@ _PARTS = frozenset({"drafter.forward", "drafter.queue", "propose.transport", "pr
                     "verifier.forward", "verifier.queue", "verify.transport", "verify.send"})
 
 
+# the scheduler's speculation counters a bench reads beside the stages (services/common/metrics.py)
+SPEC_COUNTERS = {"dspark_spec_decode_drafts_total": "rounds", "dspark_spec_decode_draft_tokens_total": "draft_tokens",
+                 "dspark_spec_decode_accepted_tokens_total": "accepted_tokens", "dspark_generation_tokens_total": "tokens"}
+
+
+def parse_spec_counters(text: str) -> dict[str, float]:
+    """The speculation counters of a /metrics page, by SPEC_COUNTERS' short names (absent ones are 0)."""
+    out = dict.fromkeys(SPEC_COUNTERS.values(), 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[name]] = float(value)
+    return out
+
+
+def speculation_per_step(steps: int, before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the steps between two `parse_spec_counters` readings decided: request-rounds, draft tokens verified
+    and accepted, and tokens generated, per step (and the acceptance). Two deployments that spend the same time a
+    step but need different numbers of steps for the same tokens differ here, not in the stages."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS.values()}
+    if steps <= 0:
+        return {}
+    out = {f"{k}_per_step": round(v / steps, 4) for k, v in d.items()}
+    out["draft_tokens_per_round"] = round(d["draft_tokens"] / d["rounds"], 4) if d["rounds"] > 0 else 0.0
+    out["acceptance"] = round(d["accepted_tokens"] / d["draft_tokens"], 4) if d["draft_tokens"] > 0 else None
+    return out
+
+
 def parse_prometheus(text: str) -> tuple[int, dict[str, float]]:
     """(steps, stage seconds) from a /metrics page."""
     steps, stages = 0, {}

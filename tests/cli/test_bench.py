@@ -179,10 +179,22 @@ def test_distributed_bench_over_real_processes_json_contract(tiny_stack, capsys)
         (m, c) for m in ("embedded", "distributed") for c in (1, 2)}
     dist, emb = r["stage_breakdown"]["distributed"]["1"], r["stage_breakdown"]["embedded"]["1"]
     assert dist["steps"] > 0 and emb["steps"] > 0
-    for stage in ("propose.rpc", "verify.rpc", "drafter.forward", "verifier.forward", "verify.transport"):
+    for stage in ("verify.rpc", "verifier.forward", "verify.transport"):
         assert dist["seconds_per_step"][stage] > 0
-    assert emb["seconds_per_step"]["draft"] > 0 and "verify.rpc" not in emb["seconds_per_step"]
-    assert 0 <= dist["pod_idle_share"]["drafter"] < 1 and not emb["pod_idle_share"]
+    assert "verify.rpc" not in emb["seconds_per_step"] and not emb["pod_idle_share"]
+    # the drafter here is random: the draft gate soon stops paying for its passes (the stage breakdown with a
+    # drafter that drafts is tests/services/test_critical_path.py's); where a window did verify drafts, its
+    # passes are in the breakdown
+    for mode in ("distributed", "embedded"):
+        for b in r["stage_breakdown"][mode].values():
+            if b["speculation"]["draft_tokens_per_step"] > 0:
+                assert b["seconds_per_step"]["propose.rpc" if mode == "distributed" else "draft"] > 0
+    assert 0 <= dist["pod_idle_share"].get("drafter", 0) < 1
+    # both made the same tokens (3 requests x 8); what their steps decided is read from the same /metrics
+    for b in (dist, emb):
+        assert b["speculation"]["tokens_per_step"] * b["steps"] == pytest.approx(24, abs=0.05)
+        assert b["speculation"]["rounds_per_step"] >= 1
+        assert b["speculation"]["acceptance"] is None or 0 <= b["speculation"]["acceptance"] <= 1
     assert r["config"]["policy"] == "fixed"
 
 

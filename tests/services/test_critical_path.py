@@ -20,7 +20,7 @@ import pytest
 
 from dspark_protos.dspark.v1 import types_pb2
 from services.common.batcher import Coalescer
-from services.scheduler.stages import _PARTS, CLOCK, parse_prometheus, per_step
+from services.scheduler.stages import _PARTS, CLOCK, parse_prometheus, parse_spec_counters, per_step, speculation_per_step
 
 import svc_cluster as cluster
 from svc_cluster import ids_request
@@ -52,11 +52,13 @@ def wait_until(pred, timeout=20.0, what="condition"):
 def test_stage_breakdown_accounts_for_the_step_and_reaches_prometheus(stack, reference):
     prompt, greedy = reference[0]
     wait_until(lambda: stack["s"].loop.num_requests == 0, what="an idle scheduler")
-    before = CLOCK.snapshot()
+    from services.common import metrics
+
+    before, spec_before = CLOCK.snapshot(), parse_spec_counters(metrics.render().decode())
     t0 = time.perf_counter()
     out = stack["stub"].GenerateUnary(ids_request(prompt, 24), timeout=120)
     wall = time.perf_counter() - t0
-    after = CLOCK.snapshot()
+    after, spec_after = CLOCK.snapshot(), parse_spec_counters(metrics.render().decode())
     assert list(out.token_ids) == greedy[:24]
     b = per_step(before, after)
     assert b["steps"] >= out.summary.num_rounds > 0
@@ -72,12 +74,17 @@ def test_stage_breakdown_accounts_for_the_step_and_reaches_prometheus(stack, ref
     # the top-level stages partition the engine thread's time: about the request's wall time
     accounted = b["wall_per_step_s"] * b["steps"]
     assert 0.5 * wall < accounted < wall + 0.3
-    from services.common import metrics
-
     steps, stages = parse_prometheus(metrics.render().decode())
     # seconds_per_step is rounded to 1e-6 s, so its product with the step count may exceed the raw total by
     # up to 0.5e-6 per step
     assert steps >= b["steps"] and stages["verify.rpc"] >= (s["verify.rpc"] - 0.5e-6) * b["steps"] - 1e-6
+    # what the steps decided, from the same page: this request's rounds, drafts and its 24 tokens
+    sp = speculation_per_step(b["steps"], spec_before, spec_after)
+    assert sp["tokens_per_step"] * b["steps"] == pytest.approx(24, abs=1e-2)
+    assert sp["rounds_per_step"] * b["steps"] == pytest.approx(out.summary.num_rounds, abs=1e-2)
+    assert sp["accepted_tokens_per_step"] * b["steps"] == pytest.approx(out.summary.num_accepted_tokens, abs=1e-2)
+    assert sp["draft_tokens_per_round"] > 0 and 0 <= sp["acceptance"] <= 1
+    assert speculation_per_step(0, spec_before, spec_after) == {}
 
 
 @pytest.fixture(scope="module")
