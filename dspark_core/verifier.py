@@ -131,8 +131,12 @@ class Verifier:
         """Prefill the prompts in one batched forward. Items with the same prompt (the n choices of one
         request) share it: the prompt runs once, the others get a copy of its KV cache, and each samples
         its own first token from the shared last-position logits with its own generator."""
+        seen: set[str] = set()
         for it in items:
             self._check_prompt(it.request_id, it.prompt_ids)
+            if it.request_id in seen:  # two items of one call under one id: the second would orphan the first's KV
+                raise InvalidArgument("request_id", it.request_id, "appears twice in one prefill")
+            seen.add(it.request_id)
             g = it.generated_in_prompt
             if not (isinstance(g, int) and 0 <= g < len(it.prompt_ids)):
                 raise InvalidArgument("generated_in_prompt", g,
@@ -162,21 +166,29 @@ class Verifier:
         for i, seq in seqs.items():
             seq.reserved = reserved[i]  # a copy of a shared prompt reserves what its own request may generate
         row = {i: r for r, i in enumerate(owners)}
-        results = []
-        for i, it in enumerate(items):
-            s = _Slot(seqs[i], it.params, make_generator(it.params.seed), list(it.prompt_ids),
-                      len(it.prompt_ids) - it.generated_in_prompt)
-            self._slots[it.request_id] = s
-            r = row[first_of[tuple(it.prompt_ids)]]
-            logits, taps = out[r]
-            # the first token is a round with no drafts: exactly plain sampling, with the request's processing
-            first = verify_block(logits[:1], DraftBlock(tokens=()), s.params, s.generator,
-                                 s.history(len(s.tokens)), position=self._position(len(it.prompt_ids)))
-            s.tokens.extend(first.tokens)
-            cut = 0 if it.feature_rows is None else max(0, len(it.prompt_ids) - it.feature_rows)
-            rows = taps[cut:].clone() if cut else taps  # a copy: the whole prompt's taps are freed
-            results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, rows, cut,
-                                      list(it.prompt_ids[cut:]), _listed(first.logprobs)))
+        results, slots = [], {}
+        try:
+            for i, it in enumerate(items):
+                s = _Slot(seqs[i], it.params, make_generator(it.params.seed), list(it.prompt_ids),
+                          len(it.prompt_ids) - it.generated_in_prompt)
+                r = row[first_of[tuple(it.prompt_ids)]]
+                logits, taps = out[r]
+                # the first token is a round with no drafts: exactly plain sampling, with the request's processing
+                first = verify_block(logits[:1], DraftBlock(tokens=()), s.params, s.generator,
+                                     s.history(len(s.tokens)), position=self._position(len(it.prompt_ids)))
+                s.tokens.extend(first.tokens)
+                slots[it.request_id] = s
+                cut = 0 if it.feature_rows is None else max(0, len(it.prompt_ids) - it.feature_rows)
+                rows = taps[cut:].clone() if cut else taps  # a copy: the whole prompt's taps are freed
+                results.append(StepResult(it.request_id, list(first.tokens), 0, first.stopped, rows, cut,
+                                          list(it.prompt_ids[cut:]), _listed(first.logprobs)))
+        except Exception:
+            # all or nothing: one item's first token failed (its sampling values), so no item of the call is
+            # left active here (the caller retries the others alone, under the same ids) and no KV leaks
+            for seq in seqs.values():
+                self.target.release(seq)
+            raise
+        self._slots.update(slots)
         return results
 
     def _position(self, position: int) -> int | None:

@@ -78,3 +78,20 @@ def test_unknown_request_and_bad_positions_are_refused(verifier):
         verifier.prefill([PrefillItem("a", (1, 2), GREEDY)])
     assert verifier.release("a") and not verifier.release("a")
     assert verifier.target.num_active == 0
+
+
+def test_a_prefill_that_fails_leaves_nothing_behind(verifier):
+    """All or nothing: an item whose first token cannot be sampled (a temperature that overflows the scaled
+    logits) fails the call, no item of it stays active or holds KV, and the same ids prefill cleanly after."""
+    bad = SamplingParams(temperature=1e-45, max_new_tokens=8)
+    with pytest.raises(Exception):
+        verifier.prefill([PrefillItem("good", (3, 4, 5), GREEDY), PrefillItem("bad", (6, 7), bad)])
+    assert verifier.num_active == 0 and verifier.target.num_active == 0  # no slot, no sequence's KV
+    res = verifier.prefill([PrefillItem("good", (3, 4, 5), GREEDY)])  # not "already active"
+    assert len(res[0].tokens) == 1
+
+
+def test_one_id_twice_in_one_prefill_is_refused_by_name(verifier):
+    with pytest.raises(InvalidArgument, match="request_id"):
+        verifier.prefill([PrefillItem("a", (3, 4, 5), GREEDY), PrefillItem("a", (6, 7), GREEDY)])
+    assert verifier.num_active == 0 and verifier.target.num_active == 0
