@@ -19,6 +19,10 @@ INT32_MAX = 2**31 - 1
 # the largest finite float32: a larger temperature would travel as inf
 FLOAT32_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
 MAX_STOP_TOKEN_IDS = 64
+# below these the scaled scores (a logit / repetition_penalty / temperature) overflow float32 to inf, and a
+# sampled request's distribution is NaN: the request would fail in the engine naming no field of its own
+MIN_TEMPERATURE = 1e-6
+MIN_REPETITION_PENALTY = 1e-6
 # request ids: printable, bounded (they are Redis keys, log fields and map keys on every pod)
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]+$")
@@ -47,10 +51,14 @@ def check_sampling(p: SamplingParams, vocab_size: int | None = None, names: dict
 
     if p.temperature > FLOAT32_MAX:
         bad("temperature", p.temperature, f"must be a finite number in [0, {FLOAT32_MAX:.6g}]")
-    if p.temperature > 0 and _float32(p.temperature) == 0:
-        bad("temperature", p.temperature, "must be 0 or at least 1e-38 (it travels as a float32)")
+    if 0 < p.temperature < MIN_TEMPERATURE:
+        bad("temperature", p.temperature, f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (a smaller one "
+                                          "overflows the scaled logits)")
     if p.top_p < 1.0 and _float32(p.top_p) <= 0:
         bad("top_p", p.top_p, "must be in (0, 1] and at least 1e-38 (it travels as a float32)")
+    if p.repetition_penalty < MIN_REPETITION_PENALTY:
+        bad("repetition_penalty", p.repetition_penalty, f"must be in [{MIN_REPETITION_PENALTY:g}, 10] (a smaller "
+                                                        "one overflows the penalized logits)")
     if p.top_k > UINT32_MAX:
         bad("top_k", p.top_k, f"must be an integer in [0, {UINT32_MAX}]")
     if p.max_new_tokens > UINT32_MAX:

@@ -107,7 +107,7 @@ def key_ok(header: str | None, keys: tuple[str, ...]) -> bool:
     """Whether an `authorization` value is `Bearer <one of keys>` (constant-time comparisons)."""
     if not header or not header.startswith("Bearer "):
         return False
-    got = header[len("Bearer "):].strip().encode()
+    got = header[len("Bearer "):].strip().encode("utf-8", "surrogatepass")  # HTTP may send bytes no str holds
     ok = False
     for k in keys:
         ok |= hmac.compare_digest(got, k.encode())

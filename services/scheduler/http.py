@@ -66,7 +66,10 @@ def _number(body: dict, name: str, default: float) -> float:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidArgument(name, v, "must be a number")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer beyond any float
+        raise InvalidArgument(name, f"{str(v)[:20]}... ({len(str(v))} digits)", "must be a finite number") from None
 
 
 def _integer(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
@@ -161,13 +164,36 @@ def _params(body: dict, f: Frontend, chat: bool, logprobs: int | None) -> Sampli
         raise InvalidArgument(name, exc.value, exc.requirement) from None
 
 
+def _message(i: int, m: dict) -> dict:
+    """One chat message as {role, content} strings. OpenAI's content parts are served when they are text
+    (`[{"type": "text", "text": ...}, ...]`, joined in order, as vLLM does); any other part is refused by name."""
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str):
+        raise InvalidArgument(f"messages[{i}].role", role, "must be a string")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else part
+                raise InvalidArgument(f"messages[{i}].content[{j}].type", kind,
+                                      'must be "text" (this model reads text parts only)')
+            if not isinstance(part.get("text"), str):
+                raise InvalidArgument(f"messages[{i}].content[{j}].text", part.get("text"), "must be a string")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise InvalidArgument(f"messages[{i}].content", content, "must be a string or a list of text parts")
+    return {**m, "role": role, "content": content}
+
+
 async def _prompt_ids(body: dict, f: Frontend, chat: bool) -> list[int]:
     """Tokenized off the event loop, within the byte and token limits of the context window (Frontend.encode)."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise InvalidArgument("messages", msgs, "must be a non-empty list of {role, content} objects")
-        ids = await f.encode("", "messages", messages=msgs)
+        # the chat template would render anything but strings as text, or drop it
+        ids = await f.encode("", "messages", messages=[_message(i, m) for i, m in enumerate(msgs)])
     else:
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
@@ -388,7 +414,6 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs
     except Exception as exc:  # noqa: BLE001
         return _map_error(exc)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     async def write(data: dict) -> None:
@@ -417,6 +442,7 @@ async def _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs
         await write(data)
 
     try:
+        await resp.prepare(request)  # the client may be gone already
         for c, upd in early:
             await send(c, upd)
         while not all(c.done for c in choices):
@@ -459,8 +485,12 @@ def make_app(f: Frontend, is_serving, redis_up=None, api_keys: tuple[str, ...] =
     async def generate(request, chat: bool):
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body is not in
+            return _error(400, f"request body could not be read: {str(exc).strip()}", "invalid_request_error")
+        except (ValueError, RecursionError, LookupError) as exc:
+            # not JSON (or not in its charset), nested too deeply, an unknown charset, an integer too long to read
+            return _error(400, f"request body must be a JSON object ({type(exc).__name__}: {str(exc)[:200]})",
+                          "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_request_error")
         try:
@@ -501,8 +531,22 @@ def make_app(f: Frontend, is_serving, redis_up=None, api_keys: tuple[str, ...] =
                                                 "code": "invalid_api_key"}}, status=401)
         return await handler(request)
 
+    @web.middleware
+    async def openai_errors(request, handler):
+        # aiohttp's own 4xx (unknown path, wrong method, body too large) in OpenAI's error body too
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            resp = _error(exc.status, exc.text or exc.reason,
+                          "not_found_error" if exc.status == 404 else "invalid_request_error")
+            if "Allow" in exc.headers:
+                resp.headers["Allow"] = exc.headers["Allow"]
+            return resp
+
     # Prometheus metrics are served on their own port (--metrics-port), never next to the public API
-    app = web.Application(middlewares=[authenticate],
+    app = web.Application(middlewares=[openai_errors, authenticate],
                           client_max_size=max(1 << 20, 2 * f.max_prompt_bytes + (64 << 10)))
     app.add_routes([web.get("/health", health), web.get("/v1/models", models),
                     web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat_completions)])

@@ -63,11 +63,22 @@ def longest_token_bytes(tokenizer) -> int:
         return 64
 
 
+def check_unicode(text: str, field: str) -> str:
+    """JSON may carry lone surrogates (\\ud800) that no tokenizer can encode: refuse them by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(field, text[exc.start:exc.end], "must be valid Unicode text (it holds a lone "
+                                                               "surrogate)") from None
+    return text
+
+
 def encode_text(tokenizer, text: str, field: str, chat: bool = False) -> list[int]:
     if tokenizer is None:
         raise InvalidArgument(field, text[:40], "needs a tokenizer; this model has none, send prompt_token_ids")
     if not text.strip():
         raise InvalidArgument(field, text, "must not be empty")
+    check_unicode(text, field)
     if chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
@@ -112,7 +123,7 @@ class Frontend:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         else:
             text = "\n".join(str(m.get("content", "")) for m in messages) + "\n"
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode(check_unicode(text, field), add_special_tokens=False)
 
     def check_names(self, model: str, drafter: str, policy: str) -> None:
         if model and model != self.card.name:
@@ -131,7 +142,7 @@ class Frontend:
         params = check_sampling(params_from_proto(request.sampling, self.card.eos_token_ids,
                                                   self.card.default_max_new_tokens), self.card.vocab_size,
                                 {k: f"sampling.{k}" for k in ("temperature", "top_p", "top_k", "max_new_tokens",
-                                                                "stop_token_ids")})
+                                                                "stop_token_ids", "repetition_penalty")})
         if which == "prompt_text":
             ids = await self.encode(request.prompt_text, "prompt_text")
         else:

@@ -4,9 +4,16 @@ HTTP routes (completions, chat with SSE, models, health) serve the same engine; 
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import json
+import logging
+import socket
+import struct
+import time
 import urllib.error
 import urllib.request
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -187,3 +194,162 @@ def test_openai_stop_strings_cut_the_text_and_end_the_request(embedded):
     for bad in (5, ["a", ""], ["a", "b", "c", "d", "e"]):
         status, raw = _http(port, "/v1/completions", {**body, "stop": bad})
         assert status == 400 and json.loads(raw)["error"]["param"] == "stop", raw
+
+
+def _raw(port, path, data: str | bytes, headers=None, method="POST"):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request(method, path, body=data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data,
+              headers={"Content-Type": "application/json", **(headers or {})})
+    r = c.getresponse()
+    return r.status, r.read().decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("path,data,headers,param", [
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 4, "temperature": 1' + "0" * 400 + "}", {}, "temperature"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 1' + "0" * 5000 + "}", {}, None),  # past Python's int limit
+    ("/v1/completions", '{"prompt": "x", "user": ' + "[" * 100000 + "]" * 100000 + "}", {}, None),
+    ("/v1/completions", '{"prompt": "x"}', {"Content-Type": "application/json; charset=no-such"}, None),
+    ("/v1/completions", '{"prompt": "x"}', {"Content-Encoding": "gzip"}, None),  # not gzip
+    ("/v1/completions", '{"prompt": "x \\ud800 y", "max_tokens": 4}', {}, "prompt"),  # a lone surrogate
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 4}', {},
+     "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}]}', {}, "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": null}]}', {}, "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+     '{"url": "x"}}]}]}', {}, "messages[0].content[0].type"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', {},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", '{"messages": [{"role": 5, "content": "hi"}]}', {}, "messages[0].role"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 4, "temperature": 1e-40}', {}, "temperature"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 4, "repetition_penalty": 1e-30}', {}, "repetition_penalty"),
+])
+def test_hostile_bodies_are_a_400_in_openais_shape_never_a_500(embedded, path, data, headers, param):
+    status, body = _raw(embedded.http_port, path, data, headers)
+    assert status == 400, body
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    if param is not None:
+        assert param in err["message"]
+
+
+def test_text_content_parts_read_as_the_same_string(embedded):
+    """OpenAI's content parts: text parts are the message's text, joined by newlines (as vLLM reads them)."""
+    port = embedded.http_port
+
+    def reply(content):
+        status, raw = _http(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}],
+                                                           "max_tokens": 6, "temperature": 0})
+        assert status == 200, raw
+        return json.loads(raw)["dspark"]["token_ids"]
+
+    assert reply([{"type": "text", "text": "def add(a, b):"}]) == reply("def add(a, b):")
+    assert reply([{"type": "text", "text": "x = 1"}, {"type": "text", "text": "y ="}]) == reply("x = 1\ny =")
+
+
+def test_unknown_paths_methods_and_oversized_bodies_answer_in_openais_shape(embedded):
+    port = embedded.http_port
+    for path, method, data, status in (("/v1/nope", "POST", "{}", 404), ("/v1/completions", "GET", "", 405),
+                                       ("/v1/completions", "POST", "x" * (4 << 20), 413)):
+        got, body = _raw(port, path, data, method=method)
+        assert got == status and json.loads(body)["error"]["message"], body
+
+
+def test_a_stream_whose_client_left_before_its_headers_ends_quietly(embedded, expected, caplog):
+    port = embedded.http_port
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 200, "stream": True, "ignore_eos": True}).encode()
+    with caplog.at_level(logging.ERROR):
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            s.close()
+        time.sleep(1.0)  # their handlers get the first update and find the client gone
+        deadline = time.monotonic() + 30
+        while embedded.loop.num_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert embedded.loop.num_requests == 0  # cancelled in the engine
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    ids, greedy = expected[0]
+    status, raw = _http(port, "/v1/completions", {"prompt": ids, "max_tokens": NEW, "temperature": 0,
+                                                  "ignore_eos": True})
+    assert json.loads(raw)["dspark"]["token_ids"] == greedy
+
+
+async def _one_step(f, entries):
+    """f.run for each (request_id, prompt_ids, params), handed to the engine together (one prefill batch);
+    per entry its tokens or the exception that ended it."""
+    held = []
+
+    def submit(*entry):
+        mine = Future()
+        held.append((entry, mine))
+        if len(held) == len(entries):
+            for (_, m), theirs in zip(held, f.loop.submit_group([e for e, _ in held])):
+                theirs.add_done_callback(lambda t, m=m: m.set_exception(t.exception()) if t.exception()
+                                         else m.set_result(t.result()))
+        return mine
+
+    async def one(rid, ids, params):
+        out = []
+        try:
+            async for upd in f.run(rid, list(ids), params, submit=submit):
+                out.extend(upd.token_ids)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        return out
+
+    return await asyncio.gather(*(one(*e) for e in entries))
+
+
+def test_a_request_whose_first_token_fails_takes_no_neighbour_down_and_leaks_no_slot(aio, embedded, expected):
+    """Values past the edge (SamplingParams built in-process, as a verifier pod receives them): a temperature
+    that overflows the scaled logits makes sampling the first token fail. The prefill batch is retried without
+    it: the neighbour prefilled in the same step is served exactly, the n choices of such a request fail with
+    their own error (not a stale "request_id is already active"), and no verifier slot is left behind."""
+    from dspark_core.sampling import SamplingParams
+    from services.scheduler.servicer import Choices
+
+    f = embedded.frontend
+    (ids, greedy), (other, _) = expected[0], expected[1]
+    bad = SamplingParams(temperature=1e-45, max_new_tokens=NEW)
+    good_out, bad_out = aio.run(_one_step(f, [("good-1", ids, SamplingParams(temperature=0, max_new_tokens=NEW)),
+                                              ("bad-1", other, bad)]))
+    assert good_out == greedy
+    assert isinstance(bad_out, Exception) and "already active" not in str(bad_out), bad_out
+
+    async def n_choices():
+        runs = Choices(f, "bad-n", ids, bad, 2)
+        try:
+            while True:
+                await runs.next()
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        finally:
+            await runs.aclose()
+
+    err = aio.run(n_choices())
+    assert "already active" not in str(err), err
+    deadline = time.monotonic() + 10
+    while embedded.loop.num_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert embedded.engine.verifier.num_active == 0
+
+
+def test_an_api_key_header_that_is_not_utf8_is_a_401(aio, tiny_target_dir):
+    key = "k" * 20
+    s = cluster.scheduler(aio, embedded_target=str(tiny_target_dir), http_port=0, http_host="127.0.0.1",
+                          api_keys=(key,))
+    try:
+        for auth, status in ((b"Bearer \xff\xfe", 401), (f"Bearer {key}\xff".encode("latin-1"), 401),
+                             (f"Bearer {key}".encode(), 200)):
+            c = socket.create_connection(("127.0.0.1", s.http_port), timeout=30)
+            c.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + auth +
+                      b"\r\nConnection: close\r\n\r\n")
+            out = b""
+            while chunk := c.recv(65536):
+                out += chunk
+            c.close()
+            assert out.startswith(b"HTTP/1.1 %d " % status), out
+    finally:
+        cluster.stop(aio, s)
