@@ -372,10 +372,37 @@ async def _next(runs: Choices, choices: list[_ChoiceRun]):
     return choices[i], upd
 
 
-async def _complete(f, rid, created, chat, ids, opts, echo, choices, runs) -> web.Response:
+# how often a non-streamed request looks whether its client is still connected while it waits for the engine
+DISCONNECT_POLL_S = 0.5
+
+
+def _client_gone(request) -> bool:
+    transport = request.transport  # None once the connection is lost
+    return transport is None or transport.is_closing()
+
+
+async def _next_while_connected(request, runs: Choices, choices: list[_ChoiceRun]):
+    """The next update, or None when the client went away first (aiohttp does not cancel a handler whose
+    client disconnects, so a non-streamed request would otherwise generate to its end for nobody)."""
+    if _client_gone(request):  # updates may come faster than the poll: look before each one too
+        return None
+    nxt = asyncio.ensure_future(_next(runs, choices))
+    while True:
+        done, _ = await asyncio.wait({nxt}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return nxt.result()
+        if _client_gone(request):
+            nxt.cancel()
+            return None
+
+
+async def _complete(request, f, rid, created, chat, ids, opts, echo, choices, runs) -> web.Response:
     try:
         while not all(c.done for c in choices):
-            c, upd = await _next(runs, choices)
+            got = await _next_while_connected(request, runs, choices)
+            if got is None:  # the handler's cleanup cancels the engine requests; nobody reads this answer
+                return web.Response(status=499, text="client closed the connection")
+            c, upd = got
             if not c.done:
                 c.take(upd)
     except Exception as exc:  # noqa: BLE001 - mapped to a status (a generic 500 for a bug)
@@ -510,7 +537,7 @@ def make_app(f: Frontend, is_serving, redis_up=None, api_keys: tuple[str, ...] =
         choices = [_ChoiceRun(i, f, opts, runs) for i in range(opts.n)]
         try:
             if not opts.stream:
-                return await _complete(f, rid, created, chat, ids, opts, echo, choices, runs)
+                return await _complete(request, f, rid, created, chat, ids, opts, echo, choices, runs)
             return await _stream(request, f, rid, created, chat, ids, opts, echo, choices, runs)
         finally:
             await runs.aclose()  # a client gone, or an error: cancel what still runs in the engine

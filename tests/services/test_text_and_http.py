@@ -276,6 +276,41 @@ def test_a_stream_whose_client_left_before_its_headers_ends_quietly(embedded, ex
     assert json.loads(raw)["dspark"]["token_ids"] == greedy
 
 
+def test_a_non_streamed_request_whose_client_left_is_cancelled(embedded, expected, caplog, monkeypatch):
+    """aiohttp does not cancel a handler whose client disconnects: the request must notice by itself, or a
+    client could leave generations running for nobody (up to max_tokens each). The tiny model reaches the end
+    of its context in well under a second, so the test looks often."""
+    from services.common import metrics
+    from services.scheduler import http as http_front
+
+    monkeypatch.setattr(http_front, "DISCONNECT_POLL_S", 0.01)
+
+    cancelled = metrics.REQUESTS.labels(finish_reason="cancelled")
+    before = cancelled._value.get()
+    port = embedded.http_port
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 100000, "ignore_eos": True}).encode()
+    with caplog.at_level(logging.ERROR):
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.monotonic() + 30
+            while not embedded.loop.num_requests and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert embedded.loop.num_requests  # it is generating
+            s.close()
+            deadline = time.monotonic() + 30
+            while embedded.loop.num_requests and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert embedded.loop.num_requests == 0
+    assert cancelled._value.get() - before == 2  # cancelled, not run to the end of the context for nobody
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    ids, greedy = expected[0]
+    status, raw = _http(port, "/v1/completions", {"prompt": ids, "max_tokens": NEW, "temperature": 0,
+                                                  "ignore_eos": True})
+    assert json.loads(raw)["dspark"]["token_ids"] == greedy
+
+
 async def _one_step(f, entries):
     """f.run for each (request_id, prompt_ids, params), handed to the engine together (one prefill batch);
     per entry its tokens or the exception that ended it."""
