@@ -64,7 +64,9 @@ def check_sampling(p: SamplingParams, vocab_size: int | None = None, names: dict
     if p.max_new_tokens > UINT32_MAX:
         bad("max_new_tokens", p.max_new_tokens, f"must be an integer in [1, {UINT32_MAX}]")
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        bad("stop_token_ids", f"{len(p.stop_token_ids)} ids", f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
+        bad("stop_token_ids", f"{len(p.stop_token_ids)} ids",
+            f"must hold at most {MAX_STOP_TOKEN_IDS} ids (the model's end-of-sequence ids count among them "
+            "unless ignore_eos)")
     top = vocab_size if vocab_size is not None else INT32_MAX + 1
     out = [t for t in p.stop_token_ids if t >= top]
     if out:
