@@ -80,6 +80,10 @@ def main() -> None:
     ids = weights.get("draft_vocab_ids")
     if ids is None or not config.get("draft_vocab_size"):
         raise SystemExit(f"expand_draft_vocab: error: {src} has no draft vocabulary")
+    if args.out != "-" and "lm_head.weight" in weights:
+        raise SystemExit(f"expand_draft_vocab: error: {src} stores its own LM-head rows, and the new ids' rows are "
+                         "the target's: widen a drafter that references the target's tensors (shipped with "
+                         "scripts/ship_drafter.py --reference-target)")
     new_ids = ids
     if args.size is not None:
         if not args.counts:
