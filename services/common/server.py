@@ -75,8 +75,39 @@ class ServerConfig:
             raise InvalidArgument("--drain-seconds", self.drain_seconds, "must be >= 0")
 
 
+class _Undecodable:
+    """What a request whose bytes are not its message type deserializes to: the handler refuses it by name."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _lenient(deserializer):
+    """Wrap a request deserializer so that corrupt wire bytes (protobuf's DecodeError: a truncated field, a string
+    that is not UTF-8) become an `_Undecodable` the handler refuses with INVALID_ARGUMENT. grpcio would otherwise
+    answer UNKNOWN "Unexpected DecodeError" and log it at error level: a client's bad bytes are not our error."""
+    if deserializer is None:
+        return None
+
+    def deserialize(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever a message type's parser raises
+            return _Undecodable(str(exc) or type(exc).__name__)
+
+    return deserialize
+
+
+def _refuse_undecodable(request, method: str) -> None:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument("request", f"<{method} bytes>", f"must be a well-formed protobuf message ({request.why})")
+
+
 class _InFlight(grpc.aio.ServerInterceptor):
-    """Counts calls in progress, and refuses new ones (UNAVAILABLE) once draining."""
+    """Counts calls in progress, refuses new ones (UNAVAILABLE) once draining, and refuses a request whose bytes
+    do not parse (INVALID_ARGUMENT) before the servicer sees it."""
 
     def __init__(self, owner: "GrpcService"):
         self.owner = owner
@@ -90,6 +121,7 @@ class _InFlight(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(request, context):
+                _refuse_undecodable(request, details.method)
                 if owner.draining:
                     raise Unavailable("server is draining; retry on another replica")
                 owner.in_flight += 1
@@ -98,11 +130,13 @@ class _InFlight(grpc.aio.ServerInterceptor):
                 finally:
                     owner.in_flight -= 1
 
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary, _lenient(handler.request_deserializer),
+                                                       handler.response_serializer)
         if handler.unary_stream:
             inner_s = handler.unary_stream
 
             async def stream(request, context):
+                _refuse_undecodable(request, details.method)
                 if owner.draining:
                     raise Unavailable("server is draining; retry on another replica")
                 owner.in_flight += 1
@@ -112,7 +146,8 @@ class _InFlight(grpc.aio.ServerInterceptor):
                 finally:
                     owner.in_flight -= 1
 
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(stream, _lenient(handler.request_deserializer),
+                                                        handler.response_serializer)
         return handler
 
 

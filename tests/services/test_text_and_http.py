@@ -388,3 +388,28 @@ def test_an_api_key_header_that_is_not_utf8_is_a_401(aio, tiny_target_dir):
             assert out.startswith(b"HTTP/1.1 %d " % status), out
     finally:
         cluster.stop(aio, s)
+
+
+def test_corrupt_wire_bytes_are_invalid_argument_and_the_server_serves_on(aio, embedded, expected, caplog):
+    """Bytes that do not parse as the method's message (truncated, a string field that is not UTF-8) are the
+    client's error: INVALID_ARGUMENT naming the request, no error-level log, and the next call is served."""
+    import grpc
+
+    ch = grpc.insecure_channel(f"127.0.0.1:{embedded.port}")
+    raw = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    unary = ch.unary_unary("/dspark.v1.SchedulerService/GenerateUnary", **raw)
+    stream = ch.unary_stream("/dspark.v1.SchedulerService/Generate", **raw)
+    with caplog.at_level(logging.ERROR):
+        for call, body, why in ((unary, b"\xff\xff\xff", "Wire format was corrupt"),
+                                (unary, b"\x0a\x05\xff\xfe\xfd\xfc\xfb", "UTF-8"),  # prompt_text, not UTF-8
+                                (lambda b, timeout: list(stream(b, timeout=timeout)), b"\xff\xff\xff", "corrupt")):
+            with pytest.raises(grpc.RpcError) as err:
+                call(body, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert err.value.details().startswith("request ") and why in err.value.details(), err.value.details()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    ch.close()
+    stub, ch = cluster.scheduler_stub(embedded)
+    eos = embedded.frontend.card.eos_token_ids[0]
+    assert list(stub.GenerateUnary(_text_request(PROMPTS[0]), timeout=60).token_ids) == _cut(expected[0][1], eos)
+    ch.close()
