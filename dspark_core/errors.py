@@ -17,7 +17,23 @@ class InvalidArgument(DSparkError, ValueError):
 
     def __init__(self, field: str, value: object, requirement: str):
         self.field, self.value, self.requirement = field, value, requirement
-        super().__init__(f"{field} {requirement}; got {value!r}")
+        super().__init__(f"{field} {requirement}; got {_shown(value)}")
+
+
+MAX_SHOWN_CHARS = 120
+
+
+def _shown(value: object) -> str:
+    """`repr(value)` cut to MAX_SHOWN_CHARS: an error echoes what the caller sent, not all of it (a client's
+    4,000-digit integer or megabyte string would otherwise come back whole, and an int past Python's digit
+    limit cannot even be printed)."""
+    try:
+        text = repr(value)
+    except ValueError:  # int past sys.get_int_max_str_digits()
+        return f"<an integer of about {int(value.bit_length() * 0.30103)} digits>"
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[:MAX_SHOWN_CHARS - 20]}... ({len(text):,} characters)"
 
 
 class ModelLoadError(DSparkError):

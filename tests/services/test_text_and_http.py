@@ -222,6 +222,8 @@ def _raw(port, path, data: str | bytes, headers=None, method="POST"):
     ("/v1/chat/completions", '{"messages": [{"role": 5, "content": "hi"}]}', {}, "messages[0].role"),
     ("/v1/completions", '{"prompt": "x", "max_tokens": 4, "temperature": 1e-40}', {}, "temperature"),
     ("/v1/completions", '{"prompt": "x", "max_tokens": 4, "repetition_penalty": 1e-30}', {}, "repetition_penalty"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 1' + "0" * 4000 + "}", {}, "max_tokens"),  # echoed, cut
+    ("/v1/completions", '{"prompt": "x", "stop": ' + json.dumps(["s" * 20000] * 5) + "}", {}, "stop"),  # 5 > 4
 ])
 def test_hostile_bodies_are_a_400_in_openais_shape_never_a_500(embedded, path, data, headers, param):
     status, body = _raw(embedded.http_port, path, data, headers)
@@ -230,6 +232,7 @@ def test_hostile_bodies_are_a_400_in_openais_shape_never_a_500(embedded, path, d
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
     if param is not None:
         assert param in err["message"]
+    assert len(err["message"]) < 400, f"the error echoes {len(err['message'])} characters of the request"
 
 
 def test_text_content_parts_read_as_the_same_string(embedded):
