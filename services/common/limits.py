@@ -51,12 +51,14 @@ def check_sampling(p: SamplingParams, vocab_size: int | None = None, names: dict
 
     if p.temperature > FLOAT32_MAX:
         bad("temperature", p.temperature, f"must be a finite number in [0, {FLOAT32_MAX:.6g}]")
-    if 0 < p.temperature < MIN_TEMPERATURE:
+    # the floors as float32 holds them: a value refused on no hop must not be refused on the next one, where
+    # it arrives rounded to float32 (1e-6 travels as 9.99999997e-07)
+    if 0 < p.temperature < _float32(MIN_TEMPERATURE):
         bad("temperature", p.temperature, f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (a smaller one "
                                           "overflows the scaled logits)")
     if p.top_p < 1.0 and _float32(p.top_p) <= 0:
         bad("top_p", p.top_p, "must be in (0, 1] and at least 1e-38 (it travels as a float32)")
-    if p.repetition_penalty < MIN_REPETITION_PENALTY:
+    if p.repetition_penalty < _float32(MIN_REPETITION_PENALTY):
         bad("repetition_penalty", p.repetition_penalty, f"must be in [{MIN_REPETITION_PENALTY:g}, 10] (a smaller "
                                                         "one overflows the penalized logits)")
     if p.top_k > UINT32_MAX:

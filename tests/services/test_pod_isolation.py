@@ -1,0 +1,65 @@
+"""Between pods, per request: what one item of a Verify / Propose call (or one scheduler) sends can fail that
+item alone, never its neighbours in the pass, and every value a hop accepts is accepted by the next one.
+Real verifier and drafter apps on loopback ports, called as a scheduler calls them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_protos.dspark.v1 import types_pb2
+from dspark_protos.tensors import tensor_to_proto
+
+import svc_cluster as cluster
+from services.common.identity import key
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def pods(aio, fixtures_dir):
+    v = cluster.verifier(aio, fixtures_dir / "target", fixtures_dir / "dspark", vid="v-iso")
+    d = cluster.drafter(aio, fixtures_dir / "dspark", did="d-iso")
+    vstub, vch = cluster.verifier_stub(v)
+    dstub, dch = cluster.drafter_stub(d)
+    yield {"v": v, "d": d, "vstub": vstub, "dstub": dstub}
+    vch.close()
+    dch.close()
+    cluster.stop(aio, v, d)
+
+
+def _features(d, rows: int, seed: int = 0) -> torch.Tensor:
+    s = d.servicer
+    return torch.randn((rows, s.num_layers, s.hidden), generator=torch.Generator().manual_seed(seed))
+
+
+def _item(d, rid: str, rows: int = 4, start: int = 0, feats=None, **kw) -> types_pb2.ProposeItem:
+    seed = kw.pop("seed", None)
+    it = types_pb2.ProposeItem(request_id=rid, anchor_token_id=5, anchor_position=start + rows, **kw)
+    if seed is not None:
+        it.seed = seed
+    it.context_features.start_position = start
+    tensor_to_proto(_features(d, rows) if feats is None else feats, it.context_features.hidden_states)
+    return it
+
+
+def _propose(pods, *items, **kw):
+    return pods["dstub"].Propose(types_pb2.ProposeRequest(items=list(items)), timeout=30, **kw).proposals
+
+
+def test_a_sampling_floor_accepted_at_the_front_door_is_accepted_by_the_drafter(pods):
+    """temperature / repetition_penalty exactly at their floors (1e-6) pass the front door's check, then travel
+    as float32 (9.99999997e-07): the drafter's check of the item's processing must not refuse them."""
+    from dspark_core.sampling import SamplingParams
+    from services.common.convert import params_from_proto, params_to_proto
+    from services.common.limits import check_sampling
+
+    for fields in ({"temperature": 1e-6, "presence_penalty": 0.5}, {"temperature": 1.0, "repetition_penalty": 1e-6}):
+        p = check_sampling(SamplingParams(**fields))
+        check_sampling(params_from_proto(params_to_proto(p)))  # the next hop's check of what arrives
+        it = _item(pods["d"], f"floor-{len(fields)}-{fields['temperature']}", temperature=1.0, seed=1)
+        params_to_proto(p, it.processing.params, complete_stop_set=True)
+        it.processing.prompt_token_ids.extend([1, 2, 3, 4, 5])
+        [prop] = _propose(pods, it)
+        assert prop.status == types_pb2.ITEM_STATUS_OK, prop.error_message
+        assert prop.processed
