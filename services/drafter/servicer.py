@@ -104,10 +104,11 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         for j in jobs:
             if j.error is not None:
                 continue
+            if j.request_id in seen:  # before anything below touches the context the first item drafts from
+                j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, f"request_id {split(j.request_id)[1]!r} twice in one batch", 0)
+                continue
             ctx = self.contexts.get(j.request_id)
             rows = 0 if j.features is None else j.features.shape[0]
-            if j.begins and ctx is not None:  # its scheduler starts the context over: a fresh state below
-                ctx = self.contexts[j.request_id] = _Context(self.drafter.new_state())
             if ctx is None and j.start != 0 and not j.begins:
                 j.error = (types_pb2.ITEM_STATUS_UNKNOWN_REQUEST,
                            f"request_id {split(j.request_id)[1]!r} has no context on drafter {self.drafter_id}; resend from 0", 0)
@@ -126,9 +127,8 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                            f"items[{j.index}].context_token_ids must hold one id per context_features row "
                            f"({rows}); got {len(j.tokens)}", 0)
                 continue
-            if j.request_id in seen:
-                j.error = (types_pb2.ITEM_STATUS_INVALID_ARGUMENT, f"request_id {split(j.request_id)[1]!r} twice in one batch", 0)
-                continue
+            if j.begins and ctx is not None:  # its scheduler starts the context over (once the item is valid)
+                ctx = self.contexts[j.request_id] = _Context(self.drafter.new_state())
             if ctx is None:
                 try:
                     for k in self.owned.make_room([j.request_id], f"drafter {self.drafter_id}"):

@@ -63,3 +63,18 @@ def test_a_sampling_floor_accepted_at_the_front_door_is_accepted_by_the_drafter(
         [prop] = _propose(pods, it)
         assert prop.status == types_pb2.ITEM_STATUS_OK, prop.error_message
         assert prop.processed
+
+
+def test_one_id_twice_in_a_propose_refuses_the_second_and_keeps_the_firsts_context(pods):
+    """The second item of one id is refused; it must not reset the context the first one just drafted from
+    (begins_context), or that request's next round finds no context (POSITION_MISMATCH)."""
+    d = pods["d"]
+    assert _propose(pods, _item(d, "twice", rows=4))[0].status == types_pb2.ITEM_STATUS_OK
+    first, second = _propose(pods, _item(d, "twice", rows=3, start=4, begins_context=True),
+                             _item(d, "twice", rows=3, start=4, begins_context=True))
+    assert first.status == types_pb2.ITEM_STATUS_OK and first.context_length == 7
+    assert second.status == types_pb2.ITEM_STATUS_INVALID_ARGUMENT and "twice in one batch" in second.error_message
+    assert d.servicer.contexts[key("/", "twice")].state.length == 7
+    [nxt] = _propose(pods, _item(d, "twice", rows=1, start=7))
+    assert nxt.status == types_pb2.ITEM_STATUS_OK, nxt.error_message
+
