@@ -32,6 +32,12 @@ def _float32(x: float) -> float:
     return struct.unpack("<f", struct.pack("<f", x))[0] if abs(x) <= FLOAT32_MAX else math.inf
 
 
+# the floors as float32 holds them: a value at a floor reads this after a hop (1e-6 travels as 9.99999997e-07), and
+# a value one hop accepts must not be refused by the next
+MIN_TEMPERATURE_F32 = _float32(MIN_TEMPERATURE)
+MIN_REPETITION_PENALTY_F32 = _float32(MIN_REPETITION_PENALTY)
+
+
 def check_request_id(rid: str, field: str = "request_id") -> str:
     if len(rid) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(field, rid[:40] + "...", f"must be at most {MAX_REQUEST_ID_CHARS} characters")
@@ -51,14 +57,12 @@ def check_sampling(p: SamplingParams, vocab_size: int | None = None, names: dict
 
     if p.temperature > FLOAT32_MAX:
         bad("temperature", p.temperature, f"must be a finite number in [0, {FLOAT32_MAX:.6g}]")
-    # the floors as float32 holds them: a value refused on no hop must not be refused on the next one, where
-    # it arrives rounded to float32 (1e-6 travels as 9.99999997e-07)
-    if 0 < p.temperature < _float32(MIN_TEMPERATURE):
+    if 0 < p.temperature < MIN_TEMPERATURE_F32:
         bad("temperature", p.temperature, f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (a smaller one "
                                           "overflows the scaled logits)")
     if p.top_p < 1.0 and _float32(p.top_p) <= 0:
         bad("top_p", p.top_p, "must be in (0, 1] and at least 1e-38 (it travels as a float32)")
-    if p.repetition_penalty < _float32(MIN_REPETITION_PENALTY):
+    if p.repetition_penalty < MIN_REPETITION_PENALTY_F32:
         bad("repetition_penalty", p.repetition_penalty, f"must be in [{MIN_REPETITION_PENALTY:g}, 10] (a smaller "
                                                         "one overflows the penalized logits)")
     if p.top_k > UINT32_MAX:

@@ -29,7 +29,7 @@ from ..common.convert import draft_processing_from_proto, features_from_proto, k
 from ..common.errors import Unavailable
 from ..common.heartbeat import Ewma
 from ..common.identity import OwnedTable, caller_of, key, split
-from ..common.limits import check_request_id
+from ..common.limits import MIN_TEMPERATURE, MIN_TEMPERATURE_F32, check_request_id
 
 _S = "drafter"
 log = logging.getLogger("dspark.drafter")
@@ -176,9 +176,14 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
         """One batched pass; if it throws, each item alone, so that an item whose input fails the pass fails
         alone. (Seeded items need no pass of their own: their output is fixed by position-keyed coupling,
         whatever their drafts.)"""
+        marks = [_mark(it) for it in items]
         try:
             return self.drafter.propose(items)
         except Exception:  # noqa: BLE001 - one item's input must not fail the others
+            # the pass may have failed after extending every item's context and drawing from its generator: each
+            # retry starts where the item began (and a seeded item draws what it draws in any pass)
+            for it, m in zip(items, marks):
+                _restore(it, m)
             out: list = []
             for it in items:
                 try:
@@ -217,6 +222,10 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 check_request_id(it.request_id, f"{f}.request_id")
                 if not (0 <= it.temperature < float("inf")):
                     raise InvalidArgument(f"{f}.temperature", it.temperature, "must be a finite number >= 0")
+                if 0 < it.temperature < MIN_TEMPERATURE_F32:  # as the request's own check (limits.py)
+                    raise InvalidArgument(f"{f}.temperature", it.temperature,
+                                          f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (a smaller one "
+                                          "overflows the scaled logits)")
                 if it.max_draft_tokens > self.drafter.block_size:
                     raise InvalidArgument(f"{f}.max_draft_tokens", it.max_draft_tokens,
                                           f"must be in [0, {self.drafter.block_size}]")
@@ -235,6 +244,12 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                     # them for its matmuls (a bf16 wire tensor is not widened to float32 here only to be rounded)
                     job.features = features_from_proto(it.context_features, f"{f}.context_features",
                                                        self.num_layers, self.hidden).to(device=self.param_device)
+                    bad = ~torch.isfinite(job.features)
+                    if bad.any():  # a verifier never sends them; they would poison the request's context
+                        row = int(bad.any(dim=1).nonzero()[0])
+                        raise InvalidArgument(f"{f}.context_features.hidden_states",
+                                              f"{job.features[row][bad[row]][0].item()} in row {row}",
+                                              "must hold finite numbers")
                 else:
                     job.start = job.anchor_pos
             except InvalidArgument as exc:
@@ -292,6 +307,22 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
             **{field: _history_proto(hist) for field, hist in (
                 ("request_history", _history_of(d, greedy=False)),
                 ("request_history_greedy", _history_of(d, greedy=True))) if hist is not None})
+
+
+def _mark(item: ProposeItem) -> tuple:
+    """What a pass may change of an item: its state's fields (first position, EAGLE-3's last row), its state's
+    cache length (a pass only appends rows past it) and its generator's state."""
+    gen = item.generator
+    return dict(vars(item.state)), item.state.cache.length, None if gen is None else gen.get_state()
+
+
+def _restore(item: ProposeItem, mark: tuple) -> None:
+    fields, length, gen_state = mark
+    vars(item.state).update(fields)
+    if item.state.cache.length > length:
+        item.state.cache.crop(length)
+    if gen_state is not None:
+        item.generator.set_state(gen_state)
 
 
 def _history_of(drafter, greedy: bool):

@@ -78,3 +78,43 @@ def test_one_id_twice_in_a_propose_refuses_the_second_and_keeps_the_firsts_conte
     [nxt] = _propose(pods, _item(d, "twice", rows=1, start=7))
     assert nxt.status == types_pb2.ITEM_STATUS_OK, nxt.error_message
 
+
+@pytest.mark.parametrize("bad", ["nan", "tiny-temperature"])
+def test_an_item_that_breaks_the_pass_fails_alone_and_its_neighbour_is_drafted_as_alone(pods, bad):
+    """A sampled item whose draft cannot be drawn (NaN features, a temperature that overflows the logits) used
+    to fail the batched pass after every item's context was extended: each item's retry alone then found its
+    context one step ahead and failed too. It is refused by name, and the neighbour drafts what it drafts
+    alone."""
+    d = pods["d"]
+    feats = _features(d, 4, seed=3)
+    feats[1, 0, 0] = float("nan") if bad == "nan" else feats[1, 0, 0]
+    temp = 1e-45 if bad == "tiny-temperature" else 1.0
+    alone = _propose(pods, _item(d, f"alone-{bad}", temperature=1.0, seed=7))[0]
+    sick, ok = _propose(pods, _item(d, f"sick-{bad}", feats=feats, temperature=temp, seed=1),
+                        _item(d, f"ok-{bad}", temperature=1.0, seed=7))
+    assert ok.status == types_pb2.ITEM_STATUS_OK, ok.error_message
+    assert list(ok.draft_token_ids) == list(alone.draft_token_ids)
+    assert d.servicer.contexts[key("/", f"ok-{bad}")].state.length == 4
+    assert sick.status == types_pb2.ITEM_STATUS_INVALID_ARGUMENT
+    field = "items[0].context_features" if bad == "nan" else "items[0].temperature"
+    assert field in sick.error_message, sick.error_message
+    assert key("/", f"sick-{bad}") not in d.servicer.contexts
+
+
+def test_a_pass_that_fails_after_extending_the_contexts_is_undone_before_each_item_is_retried(pods):
+    """Below the RPC's checks: whatever makes a batched pass fail after it extended every item's context and drew
+    from their generators, each item's retry alone starts from where it was, so the neighbour drafts what it
+    drafts alone and its context holds its rows once."""
+    from services.drafter.servicer import _Job
+
+    d = pods["d"]
+    s = d.servicer
+    alone = _propose(pods, _item(d, "rb-alone", temperature=1.0, seed=7))[0]
+    feats = _features(d, 4).reshape(4, -1)
+    jobs = [_Job(0, key("/", "rb-sick"), feats, 0, 5, 4, 1e-45, 1, s.drafter.block_size),  # past Propose's check
+            _Job(1, key("/", "rb-ok"), feats, 0, 5, 4, 1.0, 7, s.drafter.block_size)]
+    sick, ok = s.executor.submit(s._propose_batch, jobs).result(60)
+    assert sick[0] == types_pb2.ITEM_STATUS_INVALID_ARGUMENT
+    prop, _ = ok
+    assert list(prop.tokens) == list(alone.draft_token_ids)
+    assert s.contexts[key("/", "rb-ok")].state.length == 4 and key("/", "rb-sick") not in s.contexts
