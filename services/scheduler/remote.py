@@ -574,8 +574,11 @@ class RemoteDrafter:
                     retry.append(i)
                 elif p.status == types_pb2.ITEM_STATUS_RESOURCE_EXHAUSTED and not last:
                     self._move(items, i, pod, out, retry)
-                else:
-                    raise InvalidArgument(f"propose item {h.request_id}", p.error_message, "was refused by the drafter")
+                else:  # refused: this request verifies its anchor alone, the others' proposals stand
+                    out[i] = self._orphan(h, InvalidArgument(f"propose item {h.request_id}", p.error_message,
+                                                             "was refused by the drafter"))
+            for i in idx[len(resp.proposals):]:  # a reply short of proposals: those draft nowhere this round
+                out[i] = self._orphan(items[i].state, Unavailable(f"drafter {pod.address} sent no proposal"))
             server.append(time.perf_counter() - t_read)
         return retry
 

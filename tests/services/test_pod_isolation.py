@@ -118,3 +118,39 @@ def test_a_pass_that_fails_after_extending_the_contexts_is_undone_before_each_it
     prop, _ = ok
     assert list(prop.tokens) == list(alone.draft_token_ids)
     assert s.contexts[key("/", "rb-ok")].state.length == 4 and key("/", "rb-sick") not in s.contexts
+
+
+def test_a_scheduler_whose_drafter_refuses_one_item_keeps_the_other_items_drafts(pods):
+    """RemoteDrafter: the drafter refusing one request's item (here NaN features) orphans that request alone;
+    the others of the round keep their proposals and their contexts on the drafter (orphaning them dropped
+    their contexts, which the next round rebuilt from a verifier Resume each)."""
+    from dspark_core.drafters.base import ProposeItem
+    from dspark_protos.dspark.v1 import drafter_service_pb2_grpc, verifier_service_pb2_grpc
+    from services.scheduler.pods import PodPool
+    from services.scheduler.remote import RemoteDrafter, RemoteVerifier
+
+    d = pods["d"]
+    vpool = PodPool("verifier", verifier_service_pb2_grpc.VerifierServiceStub, (f"127.0.0.1:{pods['v'].port}",))
+    dpool = PodPool("drafter", drafter_service_pb2_grpc.DrafterServiceStub, (f"127.0.0.1:{d.port}",))
+    try:
+        rv = RemoteVerifier(vpool, caller="sched-iso")
+        info = rv.info()
+        rd = RemoteDrafter.connect(dpool, rv, info.hidden_size, info.vocab_size)
+        good_feats = _features(d, 4, seed=5).reshape(4, -1)
+        bad_feats = good_feats.clone()
+        bad_feats[2, 7] = float("nan")
+
+        def item(rid, feats):
+            return ProposeItem(state=rd.new_state_for(rid), new_features=feats, new_positions_start=0,
+                               new_tokens=[1, 2, 3, 4], anchor=5, anchor_pos=4, temperature=0.0)
+
+        bad, good = item("iso-bad", bad_feats), item("iso-good", good_feats)
+        pbad, pgood = rd.propose([bad, good])
+        assert pbad.tokens == [] and bad.state.resend
+        assert len(pgood.tokens) == rd.block_size and not good.state.resend and good.state.length == 4
+        assert key("/sched-iso", "iso-good") in d.servicer.contexts
+        rd.release_state(good.state)
+        rd.release_state(bad.state)
+    finally:
+        vpool.close()
+        dpool.close()
