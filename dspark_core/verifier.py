@@ -230,6 +230,10 @@ class Verifier:
         ids = list(prompt_ids) + list(generated_ids)
         if not generated_ids:
             raise InvalidArgument("generated_ids", list(generated_ids), "must hold at least the anchor token")
+        vocab = self.target.vocab_size
+        bad = [t for t in generated_ids if not 0 <= t < vocab]  # the anchor too: no prompt check covers it
+        if bad:
+            raise InvalidArgument("generated_ids", bad[:5], f"must be token ids in [0, {vocab})")
         self._check_prompt(request_id, ids[:-1])
         reserved = self.target.kv_reservation(len(ids), params.max_new_tokens - len(generated_ids))
         self.target.check_kv_room([reserved])

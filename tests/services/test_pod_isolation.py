@@ -154,3 +154,19 @@ def test_a_scheduler_whose_drafter_refuses_one_item_keeps_the_other_items_drafts
     finally:
         vpool.close()
         dpool.close()
+
+
+@pytest.mark.parametrize("anchor", [-5, 10**6])
+def test_resume_refuses_generated_tokens_outside_the_vocabulary_and_holds_nothing(pods, anchor):
+    """Resume's last generated token (the anchor, not in the rebuilt KV cache) was never checked: a slot was
+    held for a request whose anchor no forward pass can take."""
+    import grpc
+
+    v, stub = pods["v"], pods["vstub"]
+    before = v.servicer.verifier.num_active
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Resume(types_pb2.ResumeRequest(request_id="resume-oov", prompt_token_ids=[3, 4, 5],
+                                            generated_token_ids=[7, anchor]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "generated" in e.value.details() and str(anchor) in e.value.details()
+    assert v.servicer.verifier.num_active == before and key("/", "resume-oov") not in v.servicer.owned
