@@ -170,3 +170,22 @@ def test_resume_refuses_generated_tokens_outside_the_vocabulary_and_holds_nothin
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "generated" in e.value.details() and str(anchor) in e.value.details()
     assert v.servicer.verifier.num_active == before and key("/", "resume-oov") not in v.servicer.owned
+
+
+@pytest.mark.parametrize("fields, name", [({"temperature": 1e-45}, "sampling.temperature"),
+                                          ({"temperature": 1.0, "repetition_penalty": 1e-45},
+                                           "sampling.repetition_penalty")])
+def test_the_verifier_refuses_sampling_values_the_front_door_refuses_by_their_field(pods, fields, name):
+    """A scheduler's Prefill / Resume sampling is checked as the front door checks it: a temperature that
+    overflows the logits was refused only as 'probs must have a positive total mass' (a field of no request)."""
+    import grpc
+
+    stub = pods["vstub"]
+    sp = types_pb2.SamplingParams(**fields)
+    for call in (lambda: stub.Prefill(types_pb2.PrefillRequest(request_id="floor-p", prompt_token_ids=[3, 4, 5],
+                                                               sampling=sp), timeout=30),
+                 lambda: stub.Resume(types_pb2.ResumeRequest(request_id="floor-r", prompt_token_ids=[3, 4, 5],
+                                                             generated_token_ids=[6], sampling=sp), timeout=30)):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in e.value.details(), e.value.details()
