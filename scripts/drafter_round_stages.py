@@ -1,10 +1,11 @@
-"""Usage: python scripts/drafter_round_stages.py [TEMPERATURE] [DRAFTER_MATMUL_DTYPE]
+"""Usage: python scripts/drafter_round_stages.py [TEMPERATURE] [DRAFTER_MATMUL_DTYPE] [DRAFTER_PATH]
 
 Where a SmolLM2 DSpark drafter round goes at batch 1 (issue 18 / 14): the engine runs the fixed policy (7 drafts)
 over 8 held-out mbpp prompts, 64 tokens, one thread, twice; prints the median ms per call of the drafter's
 stages (extend_contexts = the new positions' context K/V, forward_block = the block's layer, forward = the LM
 head, run_heads = the Markov / confidence heads and the token choice, draft = all of it). DRAFTER_MATMUL_DTYPE:
-`--drafter-matmul-dtype` (auto, float32, bfloat16, int8; default auto)."""
+`--drafter-matmul-dtype` (auto, float32, bfloat16, int8; default auto); DRAFTER_PATH: a drafter directory (default:
+the installed default drafter)."""
 import collections
 import statistics as st
 import sys
@@ -23,7 +24,8 @@ from dspark_core.training.data import load_prompts, split  # noqa: E402
 torch.set_num_threads(1)
 td = resolve_target("smollm2")
 matmul = sys.argv[2] if len(sys.argv) > 2 else "auto"
-target, drafter = load_stack(td, resolve_drafter_path("auto", None, td), "cpu", "float32", drafter_matmul_dtype=matmul)
+path = sys.argv[3] if len(sys.argv) > 3 else None
+target, drafter = load_stack(td, resolve_drafter_path("auto", path, td), "cpu", "float32", drafter_matmul_dtype=matmul)
 rows = split(load_prompts(Path(__file__).resolve().parents[1] / "data" / "dev" / "mbpp.jsonl"), 0.2)[1][:8]
 prompts = [encode_prompt(target.tokenizer, r.text) for r in rows]
 stop = tuple(target.eos_token_ids or ())
