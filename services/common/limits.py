@@ -46,6 +46,21 @@ def check_request_id(rid: str, field: str = "request_id") -> str:
     return rid
 
 
+# check_sampling's fields as a SamplingParams message inside a request names them
+SAMPLING_FIELDS = {k: f"sampling.{k}" for k in ("temperature", "top_p", "top_k", "repetition_penalty",
+                                                 "max_new_tokens", "stop_token_ids")}
+
+
+def check_temperature(t: float, field: str = "temperature") -> float:
+    """A sampling temperature the engine can apply: 0 (greedy) or in [MIN_TEMPERATURE, float32 max]."""
+    if t > FLOAT32_MAX:
+        raise InvalidArgument(field, t, f"must be a finite number in [0, {FLOAT32_MAX:.6g}]")
+    if 0 < t < MIN_TEMPERATURE_F32:
+        raise InvalidArgument(field, t, f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (a smaller one "
+                                        "overflows the scaled logits)")
+    return t
+
+
 def check_sampling(p: SamplingParams, vocab_size: int | None = None, names: dict[str, str] | None = None
                    ) -> SamplingParams:
     """Refuse sampling values that the proto fields or the engine cannot carry; `names` renames fields for
@@ -55,11 +70,7 @@ def check_sampling(p: SamplingParams, vocab_size: int | None = None, names: dict
     def bad(field: str, value, requirement: str):
         raise InvalidArgument(names.get(field, field), value, requirement)
 
-    if p.temperature > FLOAT32_MAX:
-        bad("temperature", p.temperature, f"must be a finite number in [0, {FLOAT32_MAX:.6g}]")
-    if 0 < p.temperature < MIN_TEMPERATURE_F32:
-        bad("temperature", p.temperature, f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (a smaller one "
-                                          "overflows the scaled logits)")
+    check_temperature(p.temperature, names.get("temperature", "temperature"))
     if p.top_p < 1.0 and _float32(p.top_p) <= 0:
         bad("top_p", p.top_p, "must be in (0, 1] and at least 1e-38 (it travels as a float32)")
     if p.repetition_penalty < MIN_REPETITION_PENALTY_F32:

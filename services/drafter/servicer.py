@@ -29,7 +29,7 @@ from ..common.convert import draft_processing_from_proto, features_from_proto, k
 from ..common.errors import Unavailable
 from ..common.heartbeat import Ewma
 from ..common.identity import OwnedTable, caller_of, key, split
-from ..common.limits import MIN_TEMPERATURE, MIN_TEMPERATURE_F32, check_request_id
+from ..common.limits import check_request_id, check_temperature
 
 _S = "drafter"
 log = logging.getLogger("dspark.drafter")
@@ -222,10 +222,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
                 check_request_id(it.request_id, f"{f}.request_id")
                 if not (0 <= it.temperature < float("inf")):
                     raise InvalidArgument(f"{f}.temperature", it.temperature, "must be a finite number >= 0")
-                if 0 < it.temperature < MIN_TEMPERATURE_F32:  # as the request's own check (limits.py)
-                    raise InvalidArgument(f"{f}.temperature", it.temperature,
-                                          f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (a smaller one "
-                                          "overflows the scaled logits)")
+                check_temperature(it.temperature, f"{f}.temperature")  # as the request's own check
                 if it.max_draft_tokens > self.drafter.block_size:
                     raise InvalidArgument(f"{f}.max_draft_tokens", it.max_draft_tokens,
                                           f"must be in [0, {self.drafter.block_size}]")

@@ -69,7 +69,7 @@ def _number(body: dict, name: str, default: float) -> float:
     try:
         return float(v)
     except OverflowError:  # an integer beyond any float
-        raise InvalidArgument(name, f"{str(v)[:20]}... ({len(str(v))} digits)", "must be a finite number") from None
+        raise InvalidArgument(name, v, "must be a finite number") from None
 
 
 def _integer(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:

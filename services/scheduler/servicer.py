@@ -21,7 +21,7 @@ from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
 
 from ..common.convert import FINISH_REASONS, logprobs_to_proto, params_from_proto
 from ..common.errors import Unavailable
-from ..common.limits import check_request_id, check_sampling
+from ..common.limits import SAMPLING_FIELDS, check_request_id, check_sampling
 from ..common.tracing import tracer
 from .loop import EngineLoop, Update
 
@@ -141,8 +141,7 @@ class Frontend:
         self.check_names(request.model, request.drafter, request.policy)
         params = check_sampling(params_from_proto(request.sampling, self.card.eos_token_ids,
                                                   self.card.default_max_new_tokens), self.card.vocab_size,
-                                {k: f"sampling.{k}" for k in ("temperature", "top_p", "top_k", "max_new_tokens",
-                                                                "stop_token_ids", "repetition_penalty")})
+                                SAMPLING_FIELDS)
         if which == "prompt_text":
             ids = await self.encode(request.prompt_text, "prompt_text")
         else:

@@ -29,7 +29,7 @@ from ..common.convert import (features_to_proto, logprobs_to_proto, params_from_
                               verify_item_from_proto, verify_result_to_proto)
 from ..common.heartbeat import Ewma
 from ..common.identity import OwnedTable, caller_of, key, split
-from ..common.limits import check_request_id, check_sampling
+from ..common.limits import SAMPLING_FIELDS, check_request_id, check_sampling
 
 _S = "verifier"
 log = logging.getLogger("dspark.verifier")
@@ -52,10 +52,6 @@ def _item_error(exc: Exception) -> _ItemError:
     log.error("verify item failed", exc_info=exc)
     return _ItemError(types_pb2.ITEM_STATUS_INVALID_ARGUMENT, "item failed (see the verifier log)")
 
-
-# check_sampling's fields as a scheduler's request names them
-_SAMPLING_FIELDS = {k: f"sampling.{k}" for k in ("temperature", "top_p", "top_k", "repetition_penalty",
-                                                  "max_new_tokens", "stop_token_ids")}
 
 FEATURE_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -259,7 +255,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self._ready()
         item = prefill_item_from_proto(request, self.target.eos_token_ids)
         check_request_id(item.request_id)
-        check_sampling(item.params, self.target.vocab_size, _SAMPLING_FIELDS)  # as the front door checked them
+        check_sampling(item.params, self.target.vocab_size, SAMPLING_FIELDS)  # as the front door checked them
         item = dataclasses.replace(item, request_id=key(caller_of(context), item.request_id))  # caller's own
         [out], queued = await self._prefill.submit([item])
         if isinstance(out, Exception):
@@ -311,8 +307,8 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         if not request.request_id:
             raise InvalidArgument("request_id", request.request_id, "must not be empty")
         check_request_id(request.request_id)
-        check_sampling(params_from_proto(request.sampling, self.target.eos_token_ids), self.target.vocab_size,
-                       _SAMPLING_FIELDS)
+        params = check_sampling(params_from_proto(request.sampling, self.target.eos_token_ids), self.target.vocab_size,
+                                SAMPLING_FIELDS)
         res, fresh, dt = await asyncio.get_running_loop().run_in_executor(
             self.executor, self._resume, request, key(caller_of(context), request.request_id))
         gen = list(request.generated_token_ids)
@@ -321,7 +317,6 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
             request_id=request.request_id, anchor_token_id=anchor,
             anchor_position=len(request.prompt_token_ids) + max(len(gen), 1) - 1,
             stats=types_pb2.StepStats(num_requests=1, num_tokens=len(res.context_tokens), forward_seconds=dt))
-        params = params_from_proto(request.sampling, self.target.eos_token_ids)
         if (fresh and res.stopped) or (not fresh and anchor in params.stop_token_ids):
             resp.stopped, resp.finish_reason = True, types_pb2.FINISH_REASON_STOP
         if fresh:
