@@ -19,12 +19,19 @@ CALLER_METADATA = "x-dspark-caller"
 _SEP = "\x1f"  # cannot occur in a request id (services.common.limits) or a metadata value
 
 
+def _escaped(name: str) -> str:
+    """A certificate name with the characters that delimit caller names escaped ('%', '/', the key separator), so
+    that no certificate name + carried id reads as another's: CN "pod/a" carrying "b" is not CN "pod" carrying "a/b"."""
+    return name.replace("%", "%25").replace("/", "%2F").replace(_SEP, "%1F")
+
+
 def caller_of(context) -> str:
-    """`<certificate identity>/<carried caller id>` of a grpc.aio call ("" parts when absent)."""
+    """`<certificate identity>/<carried caller id>` of a grpc.aio call ("" parts when absent). The certificate part
+    is escaped (`_escaped`) and holds no '/', so the first '/' always ends it."""
     carried = ""
     for k, v in context.invocation_metadata() or ():
         if k == CALLER_METADATA and isinstance(v, str):
-            carried = v[:128]
+            carried = v[:128].replace(_SEP, "%1F")  # keys split at the separator
             break
     cert = ""
     try:
@@ -36,7 +43,7 @@ def caller_of(context) -> str:
         if vals:
             cert = vals[0].decode() if isinstance(vals[0], bytes) else str(vals[0])
             break
-    return f"{cert}/{carried}"
+    return f"{_escaped(cert)}/{carried}"
 
 
 def key(caller: str, request_id: str) -> str:

@@ -319,3 +319,35 @@ def test_seeded_output_is_the_same_whatever_else_runs(stack, reference):
         [n.result() for n in noise]
     assert busy == alone and len(alone) == 32
     assert _generate(stack, prompt, 32, temperature=1.0, seed=1235) != alone
+
+
+def _client_cert(ca, out, cn):
+    """A client certificate with common name `cn`, signed by the stack's CA (as a platform team would issue one)."""
+    import subprocess
+
+    out.mkdir(parents=True, exist_ok=True)
+    ext = out / "ext.cnf"
+    ext.write_text("basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+                   "extendedKeyUsage=clientAuth\n")
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)  # noqa: E731
+    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(out / "tls.key"),
+        "-out", str(out / "tls.csr"), "-subj", "/CN=" + cn.replace("/", "\\/"))
+    run("x509", "-req", "-in", str(out / "tls.csr"), "-CA", str(ca / "ca.crt"), "-CAkey", str(ca / "ca.key"),
+        "-set_serial", str(abs(hash(cn)) % 10**9 + 1), "-days", "2", "-out", str(out / "tls.crt"), "-extfile", str(ext))
+    return out
+
+
+def test_a_certificate_name_with_a_slash_cannot_alias_another_callers_requests(stack, certs, tmp_path):
+    """Callers are `<certificate name>/<carried id>`: CN "pod/a" carrying "b" read as CN "pod" carrying "a/b" —
+    the same key — and could release (or overwrite) that caller's requests. Certificate names are escaped."""
+    ca, _ = certs
+    victim, attacker = _client_cert(ca, tmp_path / "victim", "pod"), _client_cert(ca, tmp_path / "attacker", "pod/a")
+    release = types_pb2.VerifierServiceReleaseRequest(request_ids=["r-alias"])
+    with _pod_channel(stack["v"], ca, victim) as vch, _pod_channel(stack["v"], ca, attacker) as ach:
+        mine = verifier_service_pb2_grpc.VerifierServiceStub(vch)
+        theirs = verifier_service_pb2_grpc.VerifierServiceStub(ach)
+        mine.Prefill(types_pb2.PrefillRequest(request_id="r-alias", prompt_token_ids=[1, 2, 3]), timeout=30,
+                     metadata=[(CALLER_METADATA, "a/b")])
+        got = theirs.Release(release, timeout=30, metadata=[(CALLER_METADATA, "b")])
+        assert got.num_released == 0
+        assert mine.Release(release, timeout=30, metadata=[(CALLER_METADATA, "a/b")]).num_released == 1
