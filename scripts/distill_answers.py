@@ -34,6 +34,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=320)
+    p.add_argument("--min-prompt-tokens", type=int, default=0,
+                   help="answer only prompts of more tokens than this (e.g. the ones a shorter run left out)")
     p.add_argument("--limit", type=int, default=None, help="answer at most N prompts (the shortest)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--weights", default="float32", help="target weights (distillation used float32 before)")
@@ -57,9 +59,9 @@ def main() -> int:
                 seen.add(pr.text)
                 prompts.append(pr)
     sized = sorted(((len(encode_prompt(target.tokenizer, pr.text)), pr) for pr in prompts), key=lambda e: e[0])
-    chosen = [pr for n, pr in sized if n <= args.max_prompt_tokens][: args.limit]
-    print(f"{len(prompts)} new train-split prompts, {len(chosen)} answered (<= {args.max_prompt_tokens} prompt "
-          f"tokens), T = {args.temperature}", flush=True)
+    chosen = [pr for n, pr in sized if args.min_prompt_tokens < n <= args.max_prompt_tokens][: args.limit]
+    print(f"{len(prompts)} new train-split prompts, {len(chosen)} answered ({args.min_prompt_tokens} < prompt "
+          f"tokens <= {args.max_prompt_tokens}), T = {args.temperature}", flush=True)
     t0 = time.time()
     out = Path(args.out)
     samples = distill(target, chosen, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
