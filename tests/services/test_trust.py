@@ -321,7 +321,7 @@ def test_seeded_output_is_the_same_whatever_else_runs(stack, reference):
     assert _generate(stack, prompt, 32, temperature=1.0, seed=1235) != alone
 
 
-def _client_cert(ca, out, cn):
+def _client_cert(ca, out, cn, serial):
     """A client certificate with common name `cn`, signed by the stack's CA (as a platform team would issue one)."""
     import subprocess
 
@@ -333,7 +333,7 @@ def _client_cert(ca, out, cn):
     run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(out / "tls.key"),
         "-out", str(out / "tls.csr"), "-subj", "/CN=" + cn.replace("/", "\\/"))
     run("x509", "-req", "-in", str(out / "tls.csr"), "-CA", str(ca / "ca.crt"), "-CAkey", str(ca / "ca.key"),
-        "-set_serial", str(abs(hash(cn)) % 10**9 + 1), "-days", "2", "-out", str(out / "tls.crt"), "-extfile", str(ext))
+        "-set_serial", str(serial), "-days", "2", "-out", str(out / "tls.crt"), "-extfile", str(ext))
     return out
 
 
@@ -341,7 +341,8 @@ def test_a_certificate_name_with_a_slash_cannot_alias_another_callers_requests(s
     """Callers are `<certificate name>/<carried id>`: CN "pod/a" carrying "b" read as CN "pod" carrying "a/b" —
     the same key — and could release (or overwrite) that caller's requests. Certificate names are escaped."""
     ca, _ = certs
-    victim, attacker = _client_cert(ca, tmp_path / "victim", "pod"), _client_cert(ca, tmp_path / "attacker", "pod/a")
+    victim, attacker = (_client_cert(ca, tmp_path / "victim", "pod", 1001),
+                        _client_cert(ca, tmp_path / "attacker", "pod/a", 1002))
     release = types_pb2.VerifierServiceReleaseRequest(request_ids=["r-alias"])
     with _pod_channel(stack["v"], ca, victim) as vch, _pod_channel(stack["v"], ca, attacker) as ach:
         mine = verifier_service_pb2_grpc.VerifierServiceStub(vch)
