@@ -56,6 +56,14 @@ def _fire(callable_, msg, timeout: float, metadata=None) -> None:
     fut.add_done_callback(_in_flight.discard)
 
 
+def _settle(fut) -> None:
+    """Until a call has ended, however it ended (its own deadline bounds the wait)."""
+    try:
+        fut.exception()
+    except BaseException:  # noqa: BLE001 - cancelled, or an interrupt: the call is over either way
+        pass
+
+
 def _raise_status(exc: grpc.RpcError, where: str, fits_alone: bool | None = None):
     """The dspark_core error for a failed call. A verifier's refusal for KV room becomes KVCacheFull, so the engine
     queues a request that fits once others finish (`fits_alone`: what the refusing verifiers said; default: the
@@ -188,7 +196,12 @@ class RemoteVerifier:
                     calls.append((it, req, self._start_prefill(it, req, md, set())))
                 return self._finish_prefill(calls, md)
             except BaseException:
-                for it in items:  # the batch failed: nothing of it stays registered here
+                # the batch failed: nothing of it stays registered here, nor on a verifier. A neighbour's Prefill
+                # may still be on its way; its Release must land after it, or the verifier registers the request
+                # after the Release and holds its KV slot for nobody until idle expiry.
+                for _, _, (_, fut, _) in calls:
+                    _settle(fut)
+                for it in items:
                     self.release(it.request_id)
                 raise
 

@@ -189,3 +189,37 @@ def test_the_verifier_refuses_sampling_values_the_front_door_refuses_by_their_fi
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in e.value.details(), e.value.details()
+
+
+def test_a_failed_prefill_batch_releases_its_neighbours_slots_after_their_prefills_land(aio, fixtures_dir):
+    """RemoteVerifier.prefill: one item of a batch refused while its neighbour's Prefill is still on its way
+    released the neighbour at once, fire and forget; the Release could reach the verifier before the Prefill it
+    was meant to undo, which then registered the request and held its KV slot for nobody until idle expiry.
+    The verifier here waits 100 ms for company before a Prefill (--coalesce-wait-s), as a busy pod may."""
+    import time
+
+    from dspark_core.sampling import SamplingParams
+    from dspark_core.verifier import PrefillItem
+    from dspark_protos.dspark.v1 import verifier_service_pb2_grpc
+    from services.scheduler.pods import PodPool
+    from services.scheduler.remote import RemoteVerifier
+
+    v = cluster.verifier(aio, fixtures_dir / "target", vid="v-slow-prefill", coalesce_wait_s=0.1)
+    vpool = PodPool("verifier", verifier_service_pb2_grpc.VerifierServiceStub, (f"127.0.0.1:{v.port}",))
+    try:
+        rv = RemoteVerifier(vpool, caller="sched-prefill")
+        before = v.servicer.verifier.num_active
+        for round_ in range(3):
+            bad = PrefillItem(request_id=f"pf-bad-{round_}", prompt_ids=[3, 4, 5],
+                              params=SamplingParams(temperature=1e-45))
+            good = PrefillItem(request_id=f"pf-good-{round_}", prompt_ids=[(7 * i) % 200 + 3 for i in range(200)],
+                               params=SamplingParams())
+            with pytest.raises(Exception, match="temperature"):
+                rv.prefill([bad, good])
+            assert not rv.requests
+            time.sleep(0.5)  # past the verifier's wait: a Prefill still on its way has landed by now
+            assert v.servicer.verifier.num_active == before, f"round {round_}: a released neighbour holds a slot"
+            assert key("/sched-prefill", good.request_id) not in v.servicer.owned
+    finally:
+        vpool.close()
+        cluster.stop(aio, v)
