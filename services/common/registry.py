@@ -3,6 +3,8 @@
 Keys (all JSON values, all with a TTL so that nothing stale outlives its writer):
 - `dspark:pod:<pool>:<id>`            a verifier / drafter record, re-published by its heartbeat;
 - `dspark:request:<request_id>`       checkpoint: prompt and committed token ids, sampling params, pods;
+                                      written and deleted only by the scheduler it names (request ids are
+                                      client-chosen), moved to another only by an adoption;
 - `dspark:demand:<verifier>:<sched>`  survival-probability mass a scheduler wants verified there;
 - `dspark:budget:<verifier>`          the verification budget (draft tokens per step) for that verifier;
 - `dspark:autoscale:desired:<pool>`   desired replicas of a pool, from load (an integer);
@@ -30,6 +32,36 @@ from . import metrics
 
 log = logging.getLogger("dspark.registry")
 PREFIX = "dspark"
+
+# Checkpoint keys are request ids, which clients choose: a scheduler writes or deletes a checkpoint only when
+# it is absent or names that scheduler, so that another client's request of the same id on another scheduler
+# (or its n choices' ids `<id>-<i>`) cannot replace or delete it. ARGV: record, owner, ttl / owner.
+_WRITE_OWNED = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, rec = pcall(cjson.decode, cur)
+  if ok and type(rec) == 'table' and rec['scheduler'] ~= ARGV[2] then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+return 1
+"""
+_DELETE_OWNED = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+local ok, rec = pcall(cjson.decode, cur)
+if ok and type(rec) == 'table' and rec['scheduler'] ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+# an adoption: the record still names the scheduler the adopter read in it (no other adopter came first).
+# ARGV: new record, previous owner, ttl
+_TAKE_OVER = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+local ok, rec = pcall(cjson.decode, cur)
+if not ok or type(rec) ~= 'table' or rec['scheduler'] ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+return 1
+"""
 
 
 @dataclass(frozen=True)
@@ -91,6 +123,9 @@ class Registry:
             extra["ssl_ca_certs"] = config.ssl_ca_certs
         self.redis = redis.Redis.from_url(config.url, socket_timeout=config.timeout_s,
                                           socket_connect_timeout=config.timeout_s, decode_responses=True, **extra)
+        self._write_owned = self.redis.register_script(_WRITE_OWNED)
+        self._delete_owned = self.redis.register_script(_DELETE_OWNED)
+        self._take_over = self.redis.register_script(_TAKE_OVER)
         self.up = True
         self._last_pods: dict[str, list[PodRecord]] = {}
         self._checked = 0.0
@@ -152,17 +187,19 @@ class Registry:
 
     # -- request checkpoints
     def write_checkpoint(self, request_id: str, data: dict) -> None:
-        self._call("write_checkpoint", lambda: self.redis.set(
-            f"{PREFIX}:request:{request_id}", json.dumps(data), ex=int(self.config.checkpoint_ttl_s)))
+        self.write_checkpoints({request_id: data})
 
     def write_checkpoints(self, items: dict[str, dict]) -> None:
+        """Each record where its key is absent or already names the record's `scheduler` (_WRITE_OWNED)."""
         if not items:
             return
 
         def write():
             pipe = self.redis.pipeline(transaction=False)
             for rid, data in items.items():
-                pipe.set(f"{PREFIX}:request:{rid}", json.dumps(data), ex=int(self.config.checkpoint_ttl_s))
+                self._write_owned(keys=[f"{PREFIX}:request:{rid}"], client=pipe,
+                                  args=[json.dumps(data), str(data.get("scheduler", "")),
+                                        int(self.config.checkpoint_ttl_s)])
             pipe.execute()
 
         self._call("write_checkpoints", write)
@@ -171,8 +208,20 @@ class Registry:
         v = self._call("read_checkpoint", lambda: self.redis.get(f"{PREFIX}:request:{request_id}"))
         return json.loads(v) if v else None
 
-    def delete_checkpoint(self, request_id: str) -> None:
-        self._call("delete_checkpoint", lambda: self.redis.delete(f"{PREFIX}:request:{request_id}"))
+    def delete_checkpoint(self, request_id: str, owner: str | None = None) -> None:
+        """`owner`: delete only a checkpoint that names this scheduler (None: whoever holds it)."""
+        k = f"{PREFIX}:request:{request_id}"
+        if owner is None:
+            self._call("delete_checkpoint", lambda: self.redis.delete(k))
+        else:
+            self._call("delete_checkpoint", lambda: self._delete_owned(keys=[k], args=[owner]))
+
+    def adopt_checkpoint(self, request_id: str, previous_owner: str, data: dict) -> bool:
+        """Replace the checkpoint with `data` (naming its adopter) if it still names `previous_owner`; False when
+        another scheduler took it first or it is gone. True while Redis is away (as without Redis: adopt)."""
+        return bool(self._call("adopt_checkpoint", lambda: self._take_over(
+            keys=[f"{PREFIX}:request:{request_id}"],
+            args=[json.dumps(data), previous_owner, int(self.config.checkpoint_ttl_s)]), True))
 
     # -- demand, budgets, autoscaling
     def publish_demand(self, verifier_id: str, scheduler_id: str, mass: float, requests: int,

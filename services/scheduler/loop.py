@@ -62,10 +62,11 @@ class _Tracked:
 
 
 class CheckpointWriter:
-    """Latest-wins background writes of request checkpoints to Redis."""
+    """Latest-wins background writes of request checkpoints to Redis; `owner` (the scheduler id) deletes only
+    checkpoints that name it, never another client's request of the same id on another scheduler."""
 
-    def __init__(self, registry: Registry):
-        self.registry = registry
+    def __init__(self, registry: Registry, owner: str):
+        self.registry, self.owner = registry, owner
         self._pending: dict[str, dict | None] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -89,7 +90,7 @@ class CheckpointWriter:
             try:
                 self.registry.write_checkpoints({k: v for k, v in batch.items() if v is not None})
                 for rid in [k for k, v in batch.items() if v is None]:
-                    self.registry.delete_checkpoint(rid)
+                    self.registry.delete_checkpoint(rid, self.owner)
             except Exception:  # noqa: BLE001 - checkpoints are best effort; the writer must survive
                 log.exception("checkpoint write failed")
 
@@ -127,7 +128,7 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._tracked: dict[str, _Tracked] = {}
         self._stop = threading.Event()
-        self._writer = CheckpointWriter(registry) if registry is not None else None
+        self._writer = CheckpointWriter(registry, scheduler_id) if registry is not None else None
         self._last_summary = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0

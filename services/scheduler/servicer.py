@@ -161,6 +161,11 @@ class Frontend:
                               f"retry in {self.adopt_after_s:g}s if that scheduler is gone")
         if list(ck.get("prompt_ids", [])) != list(prompt_ids):
             raise InvalidArgument("request_id", rid, "has a checkpoint with a different prompt")
+        # this scheduler now holds the checkpoint (only its holder writes or deletes it): one adopter wins
+        mine = dict(ck, scheduler=self.loop.scheduler_id, updated=time.time())
+        if not await asyncio.to_thread(self.registry.adopt_checkpoint, rid, str(ck.get("scheduler", "")), mine):
+            raise Unavailable(f"request_id {rid!r} was just adopted by another scheduler; retry in "
+                              f"{self.adopt_after_s:g}s if that scheduler is gone")
         return list(ck.get("generated", []))
 
     async def run(self, rid: str, prompt_ids: list[int], params, client_id: bool = False, submit=None):

@@ -401,3 +401,60 @@ def test_scheduler_lost_mid_generation_client_retry_is_adopted_by_another(aio, s
         assert s2.frontend.adopted == 1 and out["prompt_tokens"] == len(prompt)
     finally:
         cluster.stop(aio, s1, s2)
+
+
+def test_another_clients_request_cannot_overwrite_or_delete_a_checkpoint_it_does_not_own(aio, stack, reference):
+    """Checkpoint keys are request ids, which clients choose: a client of another scheduler that names its
+    request `job` with n = 2 runs choice ids job-0 and job-1, which no adoption check guards. Its scheduler
+    must neither overwrite the checkpoint of another client's request `job-0` nor delete it when its own
+    `job-0` finishes: the victim, retrying after its scheduler is lost, is still adopted (its tokens kept)."""
+    prompt, greedy = reference[0]
+    s1 = cluster.scheduler(aio, redis_url=stack["redis"].url, adopt_after_s=0.5)
+    s2 = cluster.scheduler(aio, redis_url=stack["redis"].url, adopt_after_s=0.5)
+    key = "dspark:request:job-0"
+    try:
+        stub1, ch1 = cluster.scheduler_stub(s1)
+        req = ids_request(prompt, 60, cls=types_pb2.GenerateRequest)
+        req.request_id = "job-0"
+        it = iter(stub1.Generate(req, timeout=60))
+        got = list(next(it).token_ids)
+        r = stack["redis"].client()
+        while r.get(key) is None:
+            got.extend(next(it).token_ids)
+        s1.loop.stop()  # the victim's scheduler "crashes": its checkpoint stays for an adoption
+        cluster.stop(aio, s1)
+        ch1.close()
+        victim = json.loads(r.get(key))
+        stub2, ch2 = cluster.scheduler_stub(s2)
+        attack = ids_request(reference[1][0], 8)
+        attack.request_id, attack.n = "job", 2
+        out = stub2.GenerateUnary(attack, timeout=60)
+        assert [list(c.token_ids) for c in out.choices] == [reference[1][1][:8]] * 2  # it is served, alone
+        time.sleep(1.5)  # the attacker's checkpoint writes and deletes have reached Redis
+        held = r.get(key)
+        assert held is not None and json.loads(held) == victim
+        retry = ids_request(prompt, 60)
+        retry.request_id = "job-0"
+        assert list(stub2.GenerateUnary(retry, timeout=60).token_ids) == greedy[:60]
+        assert s2.frontend.adopted == 1 and 0 < len(got) < 60
+        ch2.close()
+    finally:
+        cluster.stop(aio, s1, s2)
+
+
+def test_a_checkpoint_is_written_and_deleted_by_its_holder_and_moved_by_one_adopter(stack):
+    from services.common.registry import Registry, RegistryConfig
+
+    reg = Registry(RegistryConfig(stack["redis"].url))
+    reg.write_checkpoints({"own-1": {"scheduler": "a", "generated": [1]}})
+    reg.write_checkpoints({"own-1": {"scheduler": "b", "generated": [2]}})  # another scheduler's request, same id
+    reg.delete_checkpoint("own-1", "b")
+    assert reg.read_checkpoint("own-1") == {"scheduler": "a", "generated": [1]}
+    assert reg.adopt_checkpoint("own-1", "a", {"scheduler": "b", "generated": [1]})
+    assert not reg.adopt_checkpoint("own-1", "a", {"scheduler": "c", "generated": [1]})  # b adopted it first
+    reg.write_checkpoints({"own-1": {"scheduler": "b", "generated": [1, 3]}})
+    reg.delete_checkpoint("own-1", "a")
+    assert reg.read_checkpoint("own-1") == {"scheduler": "b", "generated": [1, 3]}
+    reg.delete_checkpoint("own-1", "b")
+    assert reg.read_checkpoint("own-1") is None and not reg.adopt_checkpoint("own-1", "b", {"scheduler": "c"})
+    reg.close()
