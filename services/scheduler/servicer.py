@@ -21,7 +21,7 @@ from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
 
 from ..common.convert import FINISH_REASONS, logprobs_to_proto, params_from_proto
 from ..common.errors import Unavailable
-from ..common.limits import SAMPLING_FIELDS, check_request_id, check_sampling
+from ..common.limits import MAX_REQUEST_ID_CHARS, SAMPLING_FIELDS, check_request_id, check_sampling
 from ..common.tracing import tracer
 from .loop import EngineLoop, Update
 
@@ -237,6 +237,10 @@ class Choices:
         if not 1 <= n <= MAX_CHOICES:
             raise InvalidArgument("n", n, f"must be an integer in [1, {MAX_CHOICES}]")
         self.request_ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        if len(self.request_ids[-1]) > MAX_REQUEST_ID_CHARS:  # every hop bounds the ids it keys state by
+            raise InvalidArgument("request_id", rid[:40] + "...",
+                                  f"must be at most {MAX_REQUEST_ID_CHARS - len(str(n - 1)) - 1} characters with "
+                                  f"n = {n} (choice i runs as <request_id>-<i>)")
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop, self._n, self._held = f.loop, n, []
         self._tasks = [asyncio.create_task(self._pump(i, f.run(

@@ -201,6 +201,10 @@ def test_list_models_and_reflection(stack):
     (lambda r: r.__setattr__("prompt_text", "hello"), "INVALID_ARGUMENT", ["prompt_text", "tokenizer"]),
     (lambda r: r.__setattr__("model", "gpt-9"), "INVALID_ARGUMENT", ["model", "gpt-9"]),
     (lambda r: r.__setattr__("policy", "psychic"), "INVALID_ARGUMENT", ["policy", "psychic"]),
+    # choice i runs as <request_id>-<i>: an id that leaves no room for the suffix is refused at the edge, not
+    # admitted and then refused by the verifier (whose bound the choice ids exceed)
+    (lambda r: (r.__setattr__("request_id", "x" * 127), r.__setattr__("n", 2)), "INVALID_ARGUMENT",
+     ["request_id", "at most 126", "n = 2"]),
 ])
 def test_bad_input_is_invalid_argument_naming_field_and_value(stack, mutate, code, words):
     req = ids_request([1, 2, 3], 4)
