@@ -25,7 +25,7 @@ MIN_TEMPERATURE = 1e-6
 MIN_REPETITION_PENALTY = 1e-6
 # request ids: printable, bounded (they are Redis keys, log fields and map keys on every pod)
 MAX_REQUEST_ID_CHARS = 128
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]+$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]+")
 
 
 def _float32(x: float) -> float:
@@ -41,7 +41,7 @@ MIN_REPETITION_PENALTY_F32 = _float32(MIN_REPETITION_PENALTY)
 def check_request_id(rid: str, field: str = "request_id") -> str:
     if len(rid) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(field, rid[:40] + "...", f"must be at most {MAX_REQUEST_ID_CHARS} characters")
-    if not _REQUEST_ID.match(rid):
+    if not _REQUEST_ID.fullmatch(rid):  # not match(): its `$` also matches before a final "\n"
         raise InvalidArgument(field, rid, "must hold only letters, digits and . _ : @ / + = -")
     return rid
 

@@ -205,6 +205,8 @@ def test_list_models_and_reflection(stack):
     # admitted and then refused by the verifier (whose bound the choice ids exceed)
     (lambda r: (r.__setattr__("request_id", "x" * 127), r.__setattr__("n", 2)), "INVALID_ARGUMENT",
      ["request_id", "at most 126", "n = 2"]),
+    # `$` also matches before a final newline: an id ending in one must be refused like any other control character
+    (lambda r: r.__setattr__("request_id", "job-1\n"), "INVALID_ARGUMENT", ["request_id", "letters", "job-1\\n"]),
 ])
 def test_bad_input_is_invalid_argument_naming_field_and_value(stack, mutate, code, words):
     req = ids_request([1, 2, 3], 4)

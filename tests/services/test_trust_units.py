@@ -40,7 +40,7 @@ def test_values_beyond_the_wire_are_named(params, field):
 
 def test_request_ids_are_bounded_and_printable():
     assert check_request_id("cmpl-abc:1/2@x") == "cmpl-abc:1/2@x"
-    for bad in ("a" * 129, "has space", "nul\x00", "new\nline", ""):
+    for bad in ("a" * 129, "has space", "nul\x00", "new\nline", "trailing\n", ""):
         with pytest.raises(InvalidArgument):
             check_request_id(bad)
 
