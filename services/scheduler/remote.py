@@ -245,6 +245,8 @@ class RemoteVerifier:
         """The committed tokens to rebuild from: the Redis checkpoint when it is current, else ours."""
         if self.checkpoints is not None:
             ck = self.checkpoints.read_checkpoint(request_id)
+            if ck and ck.get("scheduler") != self.caller:  # another scheduler's request of the same id
+                ck = None
             full = list(ck.get("prompt_ids", [])) + list(ck.get("generated", [])) if ck else []
             # an adopted request's engine prompt holds tokens the checkpoint counts as generated
             if len(full) - 1 == anchor_pos and full[: len(req.prompt)] == req.prompt:

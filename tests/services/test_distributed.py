@@ -464,3 +464,24 @@ def test_a_checkpoint_is_written_and_deleted_by_its_holder_and_moved_by_one_adop
     reg.delete_checkpoint("own-1", "b")
     assert reg.read_checkpoint("own-1") is None and not reg.adopt_checkpoint("own-1", "b", {"scheduler": "c"})
     reg.close()
+
+
+def test_a_resume_rebuilds_only_from_its_own_schedulers_checkpoint(stack):
+    """A verifier failover rebuilds a request from its Redis checkpoint when that is current. Another client's
+    request of the same id on another scheduler, with the same prompt and length, must not lend it its tokens."""
+    from dspark_core.sampling import SamplingParams
+    from services.common.registry import Registry, RegistryConfig
+    from services.scheduler.remote import RemoteVerifier, _Request
+
+    reg = Registry(RegistryConfig(stack["redis"].url))
+    try:
+        rv = RemoteVerifier(pool=None, checkpoints=reg, caller="sched-own")
+        req = _Request([5, 6, 7], SamplingParams(), 0)
+        req.generated = [8, 9]
+        reg.write_checkpoints({"ck-x": {"scheduler": "sched-other", "prompt_ids": [5, 6, 7], "generated": [40, 41]}})
+        assert rv._committed("ck-x", req, anchor_pos=4) == [8, 9]
+        reg.delete_checkpoint("ck-x", "sched-other")
+        reg.write_checkpoints({"ck-x": {"scheduler": "sched-own", "prompt_ids": [5, 6, 7], "generated": [8, 9, 10]}})
+        assert rv._committed("ck-x", req, anchor_pos=5) == [8, 9, 10]  # its own, one step ahead of its copy
+    finally:
+        reg.close()
