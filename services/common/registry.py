@@ -208,13 +208,10 @@ class Registry:
         v = self._call("read_checkpoint", lambda: self.redis.get(f"{PREFIX}:request:{request_id}"))
         return json.loads(v) if v else None
 
-    def delete_checkpoint(self, request_id: str, owner: str | None = None) -> None:
-        """`owner`: delete only a checkpoint that names this scheduler (None: whoever holds it)."""
-        k = f"{PREFIX}:request:{request_id}"
-        if owner is None:
-            self._call("delete_checkpoint", lambda: self.redis.delete(k))
-        else:
-            self._call("delete_checkpoint", lambda: self._delete_owned(keys=[k], args=[owner]))
+    def delete_checkpoint(self, request_id: str, owner: str) -> None:
+        """Delete the checkpoint only if it names `owner` (the deleting scheduler)."""
+        self._call("delete_checkpoint", lambda: self._delete_owned(keys=[f"{PREFIX}:request:{request_id}"],
+                                                                   args=[owner]))
 
     def adopt_checkpoint(self, request_id: str, previous_owner: str, data: dict) -> bool:
         """Replace the checkpoint with `data` (naming its adopter) if it still names `previous_owner`; False when
