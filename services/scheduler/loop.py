@@ -22,7 +22,7 @@ from typing import Callable
 
 from dspark_core.cost_model import SpsTable
 from dspark_core.engine import Engine, StepRecord
-from dspark_core.errors import DSparkError
+from dspark_core.errors import DSparkError, KVCacheFull, ResourceExhausted
 from dspark_core.sampling import SamplingParams
 
 from opentelemetry import trace
@@ -34,6 +34,22 @@ from ..common.tracing import tracer
 from .stages import CLOCK
 
 log = logging.getLogger("dspark.engine_loop")
+
+
+def _public_step_error(exc: BaseException, failures: int) -> BaseException:
+    """What each client of a step that kept failing is told. The step's own error is about the whole batch: it
+    can name other clients' request ids, pod addresses or another scheduler (it is in this scheduler's log);
+    a client learns the kind of failure and nothing of anyone else."""
+    if isinstance(exc, Unavailable):
+        return Unavailable(f"no verifier could run this request's step ({failures} tries over the grace period); "
+                           "retry later (the scheduler's log has the cause)")
+    if isinstance(exc, KVCacheFull):
+        return KVCacheFull("the verifiers had no KV room for this request's step; retry later",
+                           fits_alone=exc.fits_alone)
+    if isinstance(exc, ResourceExhausted):
+        return ResourceExhausted("the serving pool was out of room for this request's step; retry later")
+    # anything else is the server's fault, never the client's: INTERNAL with a generic message
+    return RuntimeError("the step serving this request failed")
 
 
 @dataclass
@@ -269,8 +285,9 @@ class EngineLoop:
                 return
             log.error("engine step keeps failing; failing its requests: %s", exc,
                       extra={"requests": len(self._tracked), "consecutive": self._failures})
+            public = _public_step_error(exc, self._failures)
             for rid in list(self._tracked):
-                self._fail(rid, exc)
+                self._fail(rid, public)
             self._failures = 0
             return
         self._failures = 0

@@ -129,7 +129,8 @@ class PodPool:
                     return min(live, key=lambda p: (p.load(), p.address))
             if attempt == 0 and self.registry is not None and time.monotonic() - self._refreshed > 0.5:
                 self.refresh()  # a pod may have appeared since the last refresh
-        raise Unavailable(f"no live {self.pool} pod (known: {sorted(self.pods)})")
+        # the addresses stay in the log (mark_dead names each pod it gives up on): this text can reach a client
+        raise Unavailable(f"no live {self.pool} pod ({len(self.pods)} known)")
 
     def get(self, address: str) -> Pod | None:
         return self.pods.get(address)

@@ -64,6 +64,14 @@ def _settle(fut) -> None:
         pass
 
 
+def _brief(exc: grpc.RpcError) -> str:
+    """A failed call's code and details, without the transport's debug string (peer addresses)."""
+    try:
+        return f"{exc.code().name}: {exc.details()}"
+    except Exception:  # noqa: BLE001 - an RpcError raised locally has no call behind it
+        return type(exc).__name__
+
+
 def _raise_status(exc: grpc.RpcError, where: str, fits_alone: bool | None = None):
     """The dspark_core error for a failed call. A verifier's refusal for KV room becomes KVCacheFull, so the engine
     queues a request that fits once others finish (`fits_alone`: what the refusing verifiers said; default: the
@@ -157,7 +165,7 @@ class RemoteVerifier:
             except grpc.RpcError as exc:
                 last = exc
                 self.pool.mark_dead(pod, exc)
-        raise Unavailable(f"no verifier answered GetInfo: {last}")
+        raise Unavailable(f"no verifier answered GetInfo: {_brief(last) if last is not None else 'none live'}")
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -279,7 +287,8 @@ class RemoteVerifier:
                             extra={"request_id": request_id, "verifier": pod.address, "committed": len(gen)})
             self._assign(req, pod)
             return resp
-        raise Unavailable(f"cannot resume request {request_id!r} on any verifier: {last}")
+        raise Unavailable(f"cannot resume request {request_id!r} on any verifier: "
+                          f"{_brief(last) if last is not None else 'none live'}")
 
     def context_features(self, request_id: str, anchor_pos: int) -> tuple[torch.Tensor, list[int]]:
         """[anchor_pos, L*H] features of every committed position and the tokens at those positions
@@ -448,7 +457,7 @@ class RemoteDrafter:
             except grpc.RpcError as exc:
                 last = exc
                 pool.mark_dead(pod, exc)
-        raise Unavailable(f"no drafter answered GetInfo: {last}")
+        raise Unavailable(f"no drafter answered GetInfo: {_brief(last) if last is not None else 'none live'}")
 
     def new_state(self) -> DraftHandle:
         return DraftHandle(f"draft-{uuid.uuid4().hex}")

@@ -157,7 +157,8 @@ class Frontend:
         if not ck:
             return []
         if time.time() - float(ck.get("updated", 0)) < self.adopt_after_s:
-            raise Unavailable(f"request_id {rid!r} is in progress on scheduler {ck.get('scheduler')}; "
+            # which scheduler holds it is not this client's business (a pod certificate could act on it)
+            raise Unavailable(f"request_id {rid!r} is in progress on another scheduler; "
                               f"retry in {self.adopt_after_s:g}s if that scheduler is gone")
         if list(ck.get("prompt_ids", [])) != list(prompt_ids):
             raise InvalidArgument("request_id", rid, "has a checkpoint with a different prompt")

@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import pytest
 
 from dspark_protos.dspark.v1 import types_pb2
@@ -124,11 +125,18 @@ def test_only_verifier_gone_and_back_within_grace_loses_nothing(aio, redis_serve
 
 
 def test_past_the_grace_requests_fail_and_http_streams_end_with_an_error_and_done(aio, fixtures_dir, reference):
+    """The error names neither the pods' addresses nor the neighbour that failed in the same step."""
     t = fixtures_dir / "target"
     v = cluster.verifier(aio, t, coalesce_wait_s=0.03, coalesce_wait_alone=True)
     s = cluster.scheduler(aio, verifier_addresses=(f"127.0.0.1:{v.port}",), use_drafter=False,
                           verifier_grace_s=0.5, http_port=0, http_host="127.0.0.1")
     try:
+        stub, ch = cluster.scheduler_stub(s)
+        secret = "neighbour-secret-7f3a"  # another client's request id, failing in the same steps
+        req_n = ids_request(reference[1][0], NEW, cls=types_pb2.GenerateRequest, temperature=0)
+        req_n.request_id = secret
+        neighbour = iter(stub.Generate(req_n, timeout=120))
+        next(neighbour)
         body = {"prompt": reference[0][0], "max_tokens": NEW, "temperature": 0, "stream": True}
         req = urllib.request.Request(f"http://127.0.0.1:{s.http_port}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -142,7 +150,12 @@ def test_past_the_grace_requests_fail_and_http_streams_end_with_an_error_and_don
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])["error"]
         assert err["type"] == "service_unavailable" and "verifier" in err["message"]
+        assert secret not in err["message"] and "127.0.0.1" not in err["message"] and str(v.port) not in err["message"]
+        with pytest.raises(grpc.RpcError) as e:
+            list(neighbour)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "127.0.0.1" not in e.value.details()
         assert s.loop.num_requests == 0
+        ch.close()
     finally:
         cluster.stop(aio, s)
 
