@@ -68,6 +68,18 @@ VERIFY_BUDGET = Gauge("dspark_verification_budget_tokens",
 DEMAND = Gauge("dspark_verification_demand_tokens",
                "Expected accepted draft tokens (survival-probability mass) this scheduler wants verified, per verifier",
                ["verifier"])
+
+
+def forget_verifier(verifier_id: str) -> None:
+    """A verifier that left the pool takes its per-verifier series with it (else each keeps its last value
+    forever: a dashboard shows demand on a pod that is gone, and every pod ever seen stays a series)."""
+    for gauge in (VERIFY_BUDGET, DEMAND):
+        try:
+            gauge.remove(verifier_id)
+        except KeyError:
+            pass
+
+
 DESIRED_REPLICAS = Gauge("dspark_desired_replicas", "Desired replicas per pool, from load", ["pool"])
 FAILOVERS = Counter("dspark_failovers", "Requests moved to another replica after a failure", ["pool"])
 DRAFTLESS_ROUNDS = Counter("dspark_draftless_rounds",

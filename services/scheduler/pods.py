@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from ..common import metrics
 from ..common.errors import Unavailable
 from ..common.registry import PodRecord, Registry
 from ..common.security import secure_channel
@@ -113,6 +114,8 @@ class PodPool:
                     elif now - pod.missing_since > self.forget_s and pod.assigned <= 0:
                         pod.channel.close()
                         del self.pods[addr]
+                        if self.pool == "verifier":
+                            metrics.forget_verifier(pod.id)
 
     def _refresher(self) -> None:
         while not self._stop.wait(self.refresh_s):

@@ -48,3 +48,34 @@ def test_async_policy_budget_is_published_and_output_stays_exact(aio, redis_serv
         assert s1.engine.policy.applied + s2.engine.policy.applied > 0
     finally:
         cluster.stop(aio, s1, s2, dr, v)
+
+
+def test_a_verifier_that_left_the_pool_takes_its_gauges_with_it(redis_server):
+    from services.common import metrics
+    from services.common.registry import PodRecord, Registry, RegistryConfig
+    from services.scheduler.pods import PodPool
+    from dspark_protos.dspark.v1 import verifier_service_pb2_grpc
+
+    def series(gauge):
+        return {s.labels.get("verifier") for m in gauge.collect() for s in m.samples}
+
+    reg = Registry(RegistryConfig(redis_server.url))
+    for vid, port in (("v-gone", 1), ("v-stays", 2)):
+        reg.publish_pod(PodRecord(id=vid, pool="verifier", address=f"127.0.0.1:{port}", capacity=4))
+    pool = PodPool("verifier", verifier_service_pb2_grpc.VerifierServiceStub, (), registry=reg, refresh_s=3600,
+                   forget_s=0.0)
+    try:
+        for vid in ("v-gone", "v-stays"):
+            metrics.DEMAND.labels(verifier=vid).set(3.0)
+            metrics.VERIFY_BUDGET.labels(verifier=vid).set(8)
+        reg.remove_pod("verifier", "v-gone")
+        pool.refresh()  # missing once: kept (an empty, restarted Redis looks the same)
+        assert "v-gone" in series(metrics.DEMAND)
+        time.sleep(0.01)
+        pool.refresh()  # missing past forget_s: forgotten, its series with it
+        assert set(pool.pods) == {"127.0.0.1:2"}
+        for gauge in (metrics.DEMAND, metrics.VERIFY_BUDGET):
+            assert "v-gone" not in series(gauge) and "v-stays" in series(gauge)
+    finally:
+        pool.close()
+        reg.close()
