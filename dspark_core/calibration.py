@@ -32,8 +32,8 @@ them accepted and C the sum of their calibrated c_1,
 is how much more (g > 0) or less the request accepts than its calibrated confidences predicted, shrunk to 0
 by s pseudo-rounds; every position's logit gets w_k g, c_k = sigmoid(logit_k / t_k + b_k + w_k g). It reads
 only rounds already verified (non-anticipating, like every confidence the policies use) and moves lengths,
-never outputs. The weights are fitted after (t, b), position by position by maximum likelihood of the same
-survival event. Records carry the request of each round (`RolloutRecords.request`, rows in round order);
+never outputs. With a history, (t_k, b_k, w_k) are fitted together, position by position by maximum
+likelihood of the same survival event (starting from a Platt fit for the offsets). Records carry the request of each round (`RolloutRecords.request`, rows in round order);
 records without it get g = 0.
 
 Pure numpy on arrays: knows nothing about engines, models or files beyond writing `calibration.json`.
@@ -508,21 +508,39 @@ def fit_platt(records: RolloutRecords, min_rounds: int = 1, ridge: float = 1.0) 
     return Calibration(tuple(temps), tuple(biases))
 
 
-def _fit_offset_weight(u: np.ndarray, x: np.ndarray, base: np.ndarray, y: np.ndarray, ridge: float = 1.0,
-                       iters: int = 50) -> float:
-    """Maximum likelihood w of P(y = 1) = base * sigmoid(u + w x) (`_fisher_fit`)."""
-    return float(_fisher_fit(lambda th: (u + th[0] * x, x[None, :]), base, y, 1, (-10.0,), (10.0,), ridge, iters)[0])
-
-
 HISTORY_STRENGTH = 4.0
 
 
+def _fit_history_position(z: np.ndarray, g: np.ndarray, base: np.ndarray, y: np.ndarray, with_bias: bool = True,
+                          ridge: float = 1.0, iters: int = 100) -> tuple[float, float, float]:
+    """Maximum likelihood (t, b, w) of P(y = 1) = base * sigmoid(z / t + b + w g), fitted in (log(1 / t), b, w);
+    without `with_bias` b stays 0 (STS keeps temperatures alone)."""
+    if with_bias:
+        def u_of(theta):
+            s = math.exp(theta[0])
+            return z * s + theta[1] + theta[2] * g, np.stack((z * s, np.ones_like(z), g))
+
+        th = _fisher_fit(u_of, base, y, 3, (-math.log(T_RANGE[1]), B_RANGE[0], -10.0),
+                         (-math.log(T_RANGE[0]), B_RANGE[1], 10.0), ridge, iters)
+        return math.exp(-th[0]), float(th[1]), float(th[2])
+
+    def u_of2(theta):
+        s = math.exp(theta[0])
+        return z * s + theta[1] * g, np.stack((z * s, g))
+
+    th = _fisher_fit(u_of2, base, y, 2, (-math.log(T_RANGE[1]), -10.0), (-math.log(T_RANGE[0]), 10.0), ridge, iters)
+    return math.exp(-th[0]), 0.0, float(th[1])
+
+
 def fit_history(records: RolloutRecords, base: Calibration, strength: float = HISTORY_STRENGTH,
-                min_rounds: int = 1, ridge: float = 1.0) -> Calibration:
-    """`base` with a fitted request history (module docstring): the prior's mean is the fitting rounds' slot-1
-    acceptance rate, then w_1..w_gamma in order, each the maximum-likelihood fit of the survival event with
-    (t, b) and the earlier weights fixed. Needs `records.request`; positions with fewer than `min_rounds`
-    rounds get w = 0."""
+                min_rounds: int = 1, ridge: float = 1.0, passes: int = 2) -> Calibration:
+    """`base` (a Platt or STS fit) refitted with a request history (module docstring): the prior's mean is the fitting
+    rounds' slot-1 acceptance rate; then (t_k, b_k, w_k) for k = 1..gamma in order, each the maximum-likelihood
+    fit of the survival event with the earlier positions fixed. Fitted jointly, not w after a fixed (t, b): once
+    the history moves c_1 request by request, the (t, b) fitted without it no longer suit the later positions
+    (measured on SmolLM2's greedy rounds: position 2's held-out ECE 1.05% -> 0.81%). The offsets g read the
+    calibrated slot-1 confidence, which the fit moves, so `passes` alternate g and the fit. Needs
+    `records.request`; positions with fewer than `min_rounds` rounds keep base's (t, b) and get w = 0."""
     if records.request is None:
         raise InvalidArgument("records.request", None, "must name each round's request to fit a request history")
     verified = records.proposed >= 1
@@ -530,19 +548,25 @@ def fit_history(records: RolloutRecords, base: Calibration, strength: float = HI
         raise InvalidArgument("records", 0, "must hold rounds that verified a draft to fit a request history")
     rate = float((records.accepted[verified] >= 1).mean())
     prior = min(max(rate, 0.01), 0.99)
-    u = calibrated_logits(records, Calibration(base.temperatures, base.biases))
-    g = history_offsets(records, u[:, 0], RequestHistory((0.0,) * records.gamma, strength, prior))
-    weights, prefix = [], np.ones(len(records))
-    for k in range(1, records.gamma + 1):
-        rows = records.proposed >= k
-        if rows.sum() < max(min_rounds, 1):
-            weights.append(0.0)
-            continue
-        y = (records.accepted[rows] >= k).astype(np.float64)
-        w_k = _fit_offset_weight(u[rows, k - 1], g[rows], prefix[rows], y, ridge=ridge)
-        weights.append(w_k)
-        prefix = prefix * np.where(rows, _sigmoid(np.nan_to_num(u[:, k - 1]) + w_k * g), 1.0)
-    return Calibration(base.temperatures, base.biases, RequestHistory(tuple(weights), strength, prior))
+    temps, biases = list(base.temperatures), base.bias_list()
+    weights = [0.0] * records.gamma
+    for _ in range(max(1, passes)):
+        u = calibrated_logits(records, Calibration(tuple(temps), tuple(biases)))
+        g = history_offsets(records, u[:, 0], RequestHistory((0.0,) * records.gamma, strength, prior))
+        prefix = np.ones(len(records))
+        for k in range(1, records.gamma + 1):
+            rows = records.proposed >= k
+            if rows.sum() < max(min_rounds, 1):
+                weights[k - 1] = 0.0
+                continue
+            y = (records.accepted[rows] >= k).astype(np.float64)
+            temps[k - 1], biases[k - 1], weights[k - 1] = _fit_history_position(
+                records.logits[rows, k - 1], g[rows], prefix[rows], y, with_bias=base.biases is not None,
+                ridge=ridge)
+            z = np.nan_to_num(records.logits[:, k - 1]) / temps[k - 1] + biases[k - 1] + weights[k - 1] * g
+            prefix = prefix * np.where(rows, _sigmoid(z), 1.0)
+    return Calibration(tuple(temps), tuple(biases) if base.biases is not None else None,
+                       RequestHistory(tuple(weights), strength, prior))
 
 
 METHODS = ("platt", "sts")
