@@ -33,8 +33,8 @@ is how much more (g > 0) or less the request accepts than its calibrated confide
 by s pseudo-rounds; every position's logit gets w_k g, c_k = sigmoid(logit_k / t_k + b_k + w_k g). It reads
 only rounds already verified (non-anticipating, like every confidence the policies use) and moves lengths,
 never outputs. With a history, (t_k, b_k, w_k) are fitted together, position by position by maximum
-likelihood of the same survival event (starting from a Platt fit for the offsets). Records carry the request of each round (`RolloutRecords.request`, rows in round order);
-records without it get g = 0.
+likelihood of the same survival event (starting from a Platt fit for the offsets). Records carry the request
+of each round (`RolloutRecords.request`, rows in round order); records without it get g = 0.
 
 Pure numpy on arrays: knows nothing about engines, models or files beyond writing `calibration.json`.
 """
@@ -513,23 +513,18 @@ HISTORY_STRENGTH = 4.0
 
 def _fit_history_position(z: np.ndarray, g: np.ndarray, base: np.ndarray, y: np.ndarray, with_bias: bool = True,
                           ridge: float = 1.0, iters: int = 100) -> tuple[float, float, float]:
-    """Maximum likelihood (t, b, w) of P(y = 1) = base * sigmoid(z / t + b + w g), fitted in (log(1 / t), b, w);
+    """Maximum likelihood (t, b, w) of P(y = 1) = base * sigmoid(z / t + b + w g), fitted in (log(1 / t), [b,] w);
     without `with_bias` b stays 0 (STS keeps temperatures alone)."""
-    if with_bias:
-        def u_of(theta):
-            s = math.exp(theta[0])
-            return z * s + theta[1] + theta[2] * g, np.stack((z * s, np.ones_like(z), g))
+    extra = (np.ones_like(z),) if with_bias else ()
 
-        th = _fisher_fit(u_of, base, y, 3, (-math.log(T_RANGE[1]), B_RANGE[0], -10.0),
-                         (-math.log(T_RANGE[0]), B_RANGE[1], 10.0), ridge, iters)
-        return math.exp(-th[0]), float(th[1]), float(th[2])
+    def u_of(theta):
+        zs = z * math.exp(theta[0])
+        return zs + (theta[1] if with_bias else 0.0) + theta[-1] * g, np.stack((zs, *extra, g))
 
-    def u_of2(theta):
-        s = math.exp(theta[0])
-        return z * s + theta[1] * g, np.stack((z * s, g))
-
-    th = _fisher_fit(u_of2, base, y, 2, (-math.log(T_RANGE[1]), -10.0), (-math.log(T_RANGE[0]), 10.0), ridge, iters)
-    return math.exp(-th[0]), 0.0, float(th[1])
+    lo = (-math.log(T_RANGE[1]),) + ((B_RANGE[0],) if with_bias else ()) + (-10.0,)
+    hi = (-math.log(T_RANGE[0]),) + ((B_RANGE[1],) if with_bias else ()) + (10.0,)
+    th = _fisher_fit(u_of, base, y, len(lo), lo, hi, ridge, iters)
+    return math.exp(-th[0]), float(th[1]) if with_bias else 0.0, float(th[-1])
 
 
 def fit_history(records: RolloutRecords, base: Calibration, strength: float = HISTORY_STRENGTH,

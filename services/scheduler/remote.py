@@ -64,8 +64,10 @@ def _settle(fut) -> None:
         pass
 
 
-def _brief(exc: grpc.RpcError) -> str:
+def _brief(exc: grpc.RpcError | None) -> str:
     """A failed call's code and details, without the transport's debug string (peer addresses)."""
+    if exc is None:
+        return "none live"
     try:
         return f"{exc.code().name}: {exc.details()}"
     except Exception:  # noqa: BLE001 - an RpcError raised locally has no call behind it
@@ -165,7 +167,7 @@ class RemoteVerifier:
             except grpc.RpcError as exc:
                 last = exc
                 self.pool.mark_dead(pod, exc)
-        raise Unavailable(f"no verifier answered GetInfo: {_brief(last) if last is not None else 'none live'}")
+        raise Unavailable(f"no verifier answered GetInfo: {_brief(last)}")
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -288,7 +290,7 @@ class RemoteVerifier:
             self._assign(req, pod)
             return resp
         raise Unavailable(f"cannot resume request {request_id!r} on any verifier: "
-                          f"{_brief(last) if last is not None else 'none live'}")
+                          f"{_brief(last)}")
 
     def context_features(self, request_id: str, anchor_pos: int) -> tuple[torch.Tensor, list[int]]:
         """[anchor_pos, L*H] features of every committed position and the tokens at those positions
@@ -457,7 +459,7 @@ class RemoteDrafter:
             except grpc.RpcError as exc:
                 last = exc
                 pool.mark_dead(pod, exc)
-        raise Unavailable(f"no drafter answered GetInfo: {_brief(last) if last is not None else 'none live'}")
+        raise Unavailable(f"no drafter answered GetInfo: {_brief(last)}")
 
     def new_state(self) -> DraftHandle:
         return DraftHandle(f"draft-{uuid.uuid4().hex}")
