@@ -555,11 +555,13 @@ class TargetRuntime:
     # -- the forward pass
     @torch.no_grad()
     def forward(self, batch: list[tuple[Sequence, list[int]]], last_logits_only: bool = False,
-                return_final_hidden: bool = False) -> RaggedOutput:
+                return_final_hidden: bool = False, with_logits: bool = True) -> RaggedOutput:
         """Append each sequence's tokens in one batched pass. Returns logits and taps per new position.
 
         With `last_logits_only` (prefill), logits are computed only at each sequence's last position.
-        With `return_final_hidden`, also the post-norm hidden state of every new position.
+        With `return_final_hidden`, also the post-norm hidden state of every new position. Without
+        `with_logits` (building a training cache: taps and final hidden only) the LM head is skipped and
+        `logits` is an empty [0, vocab] tensor.
         """
         if not batch:
             raise InvalidArgument("batch", batch, "must hold at least one sequence")
@@ -632,7 +634,7 @@ class TargetRuntime:
             h = flat_hidden.index_select(0, last.to(self.device))  # [n, hidden]
         else:
             h = flat_hidden  # [num_tokens, hidden]
-        logits = self._lm_mm(h).float()
+        logits = self._lm_mm(h).float() if with_logits else h.new_zeros((0, self.vocab_size), dtype=torch.float32)
         final_hidden = flat_hidden if return_final_hidden else None
         taps = h.new_zeros((sum(counts), 0))
         if flat_taps:
@@ -650,7 +652,8 @@ class TargetRuntime:
             # flat rows of each sequence, in the caller's order
             caller_rows = torch.cat([torch.arange(cu_sorted[inverse[i]], cu_sorted[inverse[i] + 1])
                                      for i in range(n)]).to(self.device)
-            logits = logits[torch.tensor(inverse, device=self.device) if last_logits_only else caller_rows]
+            if with_logits:
+                logits = logits[torch.tensor(inverse, device=self.device) if last_logits_only else caller_rows]
             taps = taps[caller_rows]
             if final_hidden is not None:
                 final_hidden = final_hidden[caller_rows]

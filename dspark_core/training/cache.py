@@ -82,7 +82,8 @@ def build_target_cache(target, samples: list[Sample], out_dir: str | Path, *, dt
         raise InvalidArgument("tap_layer_ids", (), "the target must tap the drafter's layers to build a cache")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mine = list(range(rank, len(samples), world_size))
+    groups = _prompt_groups(samples, range(len(samples)))
+    mine = [j for g in groups[rank::world_size] for j in g]
     manifest = CacheManifest(target=target.name, tap_layer_ids=list(target.config.tap_layer_ids),
                              hidden_size=target.hidden_size, vocab_size=target.vocab_size, dtype=dtype)
     bar = tqdm(total=len(mine), desc=f"cache[rank {rank}]", unit="seq", disable=not progress)
@@ -107,35 +108,93 @@ def build_target_cache(target, samples: list[Sample], out_dir: str | Path, *, dt
         for v in buf.values():
             v.clear()
 
-    i = 0
-    while i < len(mine):
-        batch, tokens = [], 0
-        while i < len(mine) and (not batch or tokens + len(samples[mine[i]].input_ids) <= batch_tokens):
-            batch.append(mine[i])
-            tokens += len(samples[mine[i]].input_ids)
-            i += 1
-        seqs = [target.new_sequence() for _ in batch]
-        try:
-            res = target.forward([(s, samples[j].input_ids) for s, j in zip(seqs, batch)], return_final_hidden=True)
-        finally:
-            for s in seqs:
-                target.release(s)
-        for r, j in enumerate(batch):
-            lo, hi = int(res.cu_seqlens[r]), int(res.cu_seqlens[r + 1])
+    for batch in _batches(_prompt_groups(samples, mine), samples, batch_tokens):
+        for j, feat, hid in _run_batch(target, samples, batch):
             buf["ids"].append(torch.tensor(samples[j].input_ids))
             buf["mask"].append(torch.tensor(samples[j].loss_mask))
-            buf["feat"].append(res.taps[lo:hi].to("cpu", _DTYPES[dtype]))
-            buf["hid"].append(res.final_hidden[lo:hi].to("cpu", _DTYPES[dtype]))
+            buf["feat"].append(feat.to("cpu", _DTYPES[dtype]))
+            buf["hid"].append(hid.to("cpu", _DTYPES[dtype]))
             buf["sid"].append(j)
             manifest.num_samples += 1
-            manifest.num_tokens += hi - lo
+            manifest.num_tokens += len(samples[j].input_ids)
+            bar.update(1)
         if sum(len(x) for x in buf["ids"]) >= shard_tokens:
             flush()
-        bar.update(len(batch))
     flush()
     bar.close()
     manifest.save(out / (f"manifest-rank{rank}.json" if world_size > 1 else "manifest.json"))
     return manifest
+
+
+def _prompt_groups(samples: list[Sample], indices) -> list[list[int]]:
+    """`indices` grouped by identical prompt, groups in order of first appearance: the answers to one prompt
+    (several temperatures and seeds of distillation) share its forward pass."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j in indices:
+        groups.setdefault(tuple(samples[j].prompt_ids), []).append(j)
+    return list(groups.values())
+
+
+def _batches(groups: list[list[int]], samples: list[Sample], batch_tokens: int):
+    """Consecutive groups whose computed tokens (each prompt once, every answer) fit `batch_tokens`; a group
+    never splits, so a batch may exceed the budget by one group."""
+    batch, tokens = [], 0
+    for g in groups:
+        cost = len(samples[g[0]].prompt_ids) + sum(len(samples[j].response_ids) for j in g)
+        if batch and tokens + cost > batch_tokens:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(g)
+        tokens += cost
+    if batch:
+        yield batch
+
+
+def _run_batch(target, samples: list[Sample], batch: list[list[int]]):
+    """(sample id, features [T, L*H], final hidden [T, H]) for every sample of `batch`: each group's prompt runs
+    once, then every answer continues a fork of the prompt's KV cache (the same numbers as one pass over
+    prompt + answer, up to float rounding)."""
+    seqs = []
+    try:
+        heads = [g for g in batch if samples[g[0]].prompt_ids]
+        prompt_out = {}
+        if heads:
+            starts = [target.new_sequence() for _ in heads]
+            seqs += starts
+            res = target.forward([(s, samples[g[0]].prompt_ids) for s, g in zip(starts, heads)],
+                                 return_final_hidden=True, with_logits=False)
+            for r, (s, g) in enumerate(zip(starts, heads)):
+                lo, hi = int(res.cu_seqlens[r]), int(res.cu_seqlens[r + 1])
+                prompt_out[id(g)] = (s, res.taps[lo:hi], res.final_hidden[lo:hi])
+        work = []  # (sample id, sequence) for every answer to run
+        for g in batch:
+            start = prompt_out.get(id(g), (None,))[0]
+            free = start  # the first answer continues the prompt's own sequence; the others fork it
+            for j in g:
+                if not samples[j].response_ids:
+                    continue
+                if free is not None:
+                    seq, free = free, None
+                else:
+                    seq = target.new_sequence() if start is None else target.fork(start)
+                    seqs.append(seq)
+                work.append((j, seq))
+        # (every fork copied the prompt's cache above, before any answer extends it)
+        answers = {}
+        if work:
+            res = target.forward([(s, samples[j].response_ids) for j, s in work], return_final_hidden=True,
+                                 with_logits=False)
+            for r, (j, _) in enumerate(work):
+                lo, hi = int(res.cu_seqlens[r]), int(res.cu_seqlens[r + 1])
+                answers[j] = (res.taps[lo:hi], res.final_hidden[lo:hi])
+        for g in batch:
+            head = prompt_out.get(id(g))
+            for j in g:
+                parts = ([head[1:]] if head else []) + ([answers[j]] if j in answers else [])
+                yield j, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    finally:
+        for s in seqs:
+            target.release(s)
 
 
 def merge_manifests(out_dir: str | Path, world_size: int) -> CacheManifest:

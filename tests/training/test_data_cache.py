@@ -89,15 +89,22 @@ def test_an_interrupted_distillation_resumes_from_its_journal(tiny_target_dir, t
 def test_cache_round_trip_matches_a_direct_forward(tiny_target_dir, tmp_path, world_size):
     target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32", tap_layer_ids=(0, 1)))
     g = torch.Generator().manual_seed(0)
-    samples = [Sample(torch.randint(0, 200, (n,), generator=g).tolist(), torch.randint(0, 200, (m,), generator=g).tolist())
-               for n, m in [(5, 7), (9, 3), (4, 12)]]
+    def rand(n):
+        return torch.randint(0, 200, (n,), generator=g).tolist()
+
+    samples = [Sample(rand(n), rand(m)) for n, m in [(5, 7), (9, 3), (4, 12)]]
+    # answers sharing a prompt (distillation at several temperatures / seeds) run the prompt once and continue
+    # forks of its KV cache; an empty answer is the prompt alone
+    shared, other = rand(6), rand(3)
+    samples += [Sample(shared, rand(4)), Sample(other, rand(2)), Sample(shared, rand(9)), Sample(shared, []),
+                Sample(list(shared), rand(1)), Sample(other, rand(5))]
     for rank in range(world_size):
         build_target_cache(target, samples, tmp_path, dtype="float32", batch_tokens=20, rank=rank,
                            world_size=world_size, progress=False)
     if world_size > 1:
         merge_manifests(tmp_path, world_size)
     cache = TargetCache(tmp_path)
-    assert len(cache) == 3 and cache.manifest.num_tokens == sum(len(s.input_ids) for s in samples)
+    assert len(cache) == len(samples) and cache.manifest.num_tokens == sum(len(s.input_ids) for s in samples)
     for i, s in enumerate(samples):
         seq = target.new_sequence()
         out = target.forward([(seq, s.input_ids)], return_final_hidden=True)
