@@ -6,11 +6,18 @@ server runs mutual TLS (a CA-signed identity nobody else can present) joined wit
 call carries in `x-dspark-caller` metadata (schedulers sharing one certificate stay apart). Without TLS
 only the carried id is left, which any network neighbour can claim: that is why the services warn
 loudly when they run without TLS. `OwnedTable` holds such keyed state with a per-caller quota and idle
-times for expiry. Knows nothing about models.
+times for expiry.
+
+A scheduler's clients may choose request ids too (to retry on another scheduler after a failover); those are
+scoped the same way one level up: `client_owner` names the credentials a client called with (its API key, its
+TLS certificate) and `scoped_request_id` puts that owner in front of the id, so two clients naming a request
+`job-1` neither collide nor learn of each other, and only the same credentials adopt a checkpoint. Knows
+nothing about models.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from dspark_core.errors import ResourceExhausted
@@ -25,6 +32,19 @@ def _escaped(name: str) -> str:
     return name.replace("%", "%25").replace("/", "%2F").replace(_SEP, "%1F")
 
 
+def _certificate_name(context) -> str:
+    """The peer certificate's common name (or first subject alternative name); "" without mutual TLS."""
+    try:
+        auth = context.auth_context() or {}
+    except Exception:  # noqa: BLE001 - no security context on an insecure port
+        auth = {}
+    for name in ("x509_common_name", "x509_subject_alternative_name"):
+        vals = auth.get(name)
+        if vals:
+            return vals[0].decode() if isinstance(vals[0], bytes) else str(vals[0])
+    return ""
+
+
 def caller_of(context) -> str:
     """`<certificate identity>/<carried caller id>` of a grpc.aio call ("" parts when absent). The certificate part
     is escaped (`_escaped`) and holds no '/', so the first '/' always ends it."""
@@ -33,17 +53,37 @@ def caller_of(context) -> str:
         if k == CALLER_METADATA and isinstance(v, str):
             carried = v[:128].replace(_SEP, "%1F")  # keys split at the separator
             break
-    cert = ""
-    try:
-        auth = context.auth_context() or {}
-    except Exception:  # noqa: BLE001 - no security context on an insecure port
-        auth = {}
-    for name in ("x509_common_name", "x509_subject_alternative_name"):
-        vals = auth.get(name)
-        if vals:
-            cert = vals[0].decode() if isinstance(vals[0], bytes) else str(vals[0])
+    return f"{_escaped(_certificate_name(context))}/{carried}"
+
+
+ANONYMOUS_OWNER = "anon"
+
+
+def client_owner(context) -> str:
+    """Who owns the request ids a scheduler client chooses: 16 hex digits of a hash of the credentials the call
+    presented (the `authorization` metadata, i.e. its API key, and its TLS client certificate's name), or
+    ANONYMOUS_OWNER for a call that presented neither. The key itself is never kept or shown."""
+    bearer = ""
+    for k, v in context.invocation_metadata() or ():
+        if k == "authorization":
+            bearer = v if isinstance(v, str) else v.decode("latin-1")
             break
-    return f"{_escaped(cert)}/{carried}"
+    return credentials_owner(bearer, _certificate_name(context))
+
+
+def credentials_owner(authorization: str, certificate_name: str = "") -> str:
+    """`client_owner` of a call with this `authorization` value and certificate name."""
+    if not authorization and not certificate_name:
+        return ANONYMOUS_OWNER
+    h = hashlib.sha256(b"dspark request owner\0")
+    h.update(authorization.encode("utf-8", "surrogatepass") + b"\0" + certificate_name.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:16]
+
+
+def scoped_request_id(owner: str, request_id: str) -> str:
+    """The id a scheduler runs a client-chosen request under (engine, Redis checkpoint, pods): `<owner>/<id>`. The
+    owner is never chosen by the client and holds no '/', so no client id reads as another owner's."""
+    return f"{owner}/{request_id}"
 
 
 def key(caller: str, request_id: str) -> str:

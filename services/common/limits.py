@@ -25,6 +25,9 @@ MIN_TEMPERATURE = 1e-6
 MIN_REPETITION_PENALTY = 1e-6
 # request ids: printable, bounded (they are Redis keys, log fields and map keys on every pod)
 MAX_REQUEST_ID_CHARS = 128
+# what a scheduler sends its pods: a client's id (choice suffix included, at most MAX_REQUEST_ID_CHARS) behind its
+# owner's prefix (services.common.identity.scoped_request_id)
+MAX_POD_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS + 32
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]+")
 
 
@@ -38,9 +41,9 @@ MIN_TEMPERATURE_F32 = _float32(MIN_TEMPERATURE)
 MIN_REPETITION_PENALTY_F32 = _float32(MIN_REPETITION_PENALTY)
 
 
-def check_request_id(rid: str, field: str = "request_id") -> str:
-    if len(rid) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument(field, rid[:40] + "...", f"must be at most {MAX_REQUEST_ID_CHARS} characters")
+def check_request_id(rid: str, field: str = "request_id", limit: int = MAX_REQUEST_ID_CHARS) -> str:
+    if len(rid) > limit:
+        raise InvalidArgument(field, rid[:40] + "...", f"must be at most {limit} characters")
     if not _REQUEST_ID.fullmatch(rid):  # not match(): its `$` also matches before a final "\n"
         raise InvalidArgument(field, rid, "must hold only letters, digits and . _ : @ / + = -")
     return rid

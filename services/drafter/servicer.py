@@ -29,7 +29,7 @@ from ..common.convert import draft_processing_from_proto, features_from_proto, k
 from ..common.errors import Unavailable
 from ..common.heartbeat import Ewma
 from ..common.identity import OwnedTable, caller_of, key, split
-from ..common.limits import check_request_id, check_temperature
+from ..common.limits import MAX_POD_REQUEST_ID_CHARS, check_request_id, check_temperature
 
 _S = "drafter"
 log = logging.getLogger("dspark.drafter")
@@ -219,7 +219,7 @@ class DrafterServicer(drafter_service_pb2_grpc.DrafterServiceServicer):
             try:
                 if not it.request_id:
                     raise InvalidArgument(f"{f}.request_id", it.request_id, "must not be empty")
-                check_request_id(it.request_id, f"{f}.request_id")
+                check_request_id(it.request_id, f"{f}.request_id", MAX_POD_REQUEST_ID_CHARS)
                 if not (0 <= it.temperature < float("inf")):
                     raise InvalidArgument(f"{f}.temperature", it.temperature, "must be a finite number >= 0")
                 check_temperature(it.temperature, f"{f}.temperature")  # as the request's own check

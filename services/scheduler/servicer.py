@@ -21,6 +21,7 @@ from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
 
 from ..common.convert import FINISH_REASONS, logprobs_to_proto, params_from_proto
 from ..common.errors import Unavailable
+from ..common.identity import client_owner, scoped_request_id
 from ..common.limits import MAX_REQUEST_ID_CHARS, SAMPLING_FIELDS, check_request_id, check_sampling
 from ..common.tracing import tracer
 from .loop import EngineLoop, Update
@@ -149,8 +150,9 @@ class Frontend:
         validate_prompt_ids(ids, self.card.vocab_size, self.card.max_context, which)
         return rid, ids, params
 
-    async def _adoptable(self, rid: str, prompt_ids: list[int]) -> list[int]:
-        """Tokens a lost scheduler committed for this request id (empty when there is nothing to adopt)."""
+    async def _adoptable(self, rid: str, prompt_ids: list[int], shown: str) -> list[int]:
+        """Tokens a lost scheduler committed for this request id (empty when there is nothing to adopt);
+        errors name the client's own id, `shown`."""
         if self.registry is None or rid in self.loop.engine.requests:
             return []
         ck = await asyncio.to_thread(self.registry.read_checkpoint, rid)
@@ -158,19 +160,21 @@ class Frontend:
             return []
         if time.time() - float(ck.get("updated", 0)) < self.adopt_after_s:
             # which scheduler holds it is not this client's business (a pod certificate could act on it)
-            raise Unavailable(f"request_id {rid!r} is in progress on another scheduler; "
+            raise Unavailable(f"request_id {shown!r} is in progress on another scheduler; "
                               f"retry in {self.adopt_after_s:g}s if that scheduler is gone")
         if list(ck.get("prompt_ids", [])) != list(prompt_ids):
-            raise InvalidArgument("request_id", rid, "has a checkpoint with a different prompt")
+            raise InvalidArgument("request_id", shown, "has a checkpoint with a different prompt")
         # this scheduler now holds the checkpoint (only its holder writes or deletes it): one adopter wins
         mine = dict(ck, scheduler=self.loop.scheduler_id, updated=time.time())
         if not await asyncio.to_thread(self.registry.adopt_checkpoint, rid, str(ck.get("scheduler", "")), mine):
-            raise Unavailable(f"request_id {rid!r} was just adopted by another scheduler; retry in "
+            raise Unavailable(f"request_id {shown!r} was just adopted by another scheduler; retry in "
                               f"{self.adopt_after_s:g}s if that scheduler is gone")
         return list(ck.get("generated", []))
 
-    async def run(self, rid: str, prompt_ids: list[int], params, client_id: bool = False, submit=None):
+    async def run(self, rid: str, prompt_ids: list[int], params, client_id: bool = False, submit=None,
+                  shown: str | None = None):
         """Async iterator of Updates for one request; cancels it in the engine if the consumer goes away.
+        `rid` is the id it runs under (a client's own id scoped by its owner), `shown` the one its errors name.
 
         With a client-chosen id whose scheduler is gone, the request is adopted from its checkpoint: the
         committed tokens but the last are replayed, and the engine prefills prompt + those (the last one,
@@ -179,7 +183,8 @@ class Frontend:
         """
         if self.draining:
             raise Unavailable("scheduler is draining; retry on another replica")
-        prefix = (await self._adoptable(rid, prompt_ids))[:-1] if client_id else []
+        shown = rid if shown is None else shown
+        prefix = (await self._adoptable(rid, prompt_ids, shown))[:-1] if client_id else []
         if prefix:
             self.adopted += 1
             prefix = prefix[: params.max_new_tokens - 1]
@@ -197,7 +202,12 @@ class Frontend:
         fut = (submit or self.loop.submit)(prompt_ids, params, rid, sink, span.get_span_context(), len(prefix))
         done = submitted = False
         try:
-            await asyncio.wrap_future(fut)
+            try:
+                await asyncio.wrap_future(fut)
+            except InvalidArgument as exc:
+                if exc.field == "request_id" and exc.value == rid and shown != rid:
+                    raise InvalidArgument("request_id", shown, exc.requirement) from None
+                raise
             submitted = True
             while True:
                 upd = await q.get()
@@ -228,13 +238,15 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 class Choices:
     """The n choices of one request: n engine requests submitted together (so the verifier prefills the
-    shared prompt once), choice i seeded by `choice_seed`, their updates merged in arrival order.
+    shared prompt once), choice i seeded by `choice_seed`, their updates merged in arrival order. A client's
+    own request id runs scoped by `owner` (`scoped_request_id`): in the engine, in Redis and on the pods.
 
     `next()` returns (index, Update) or raises the error that ended a choice; `cancel(i)` ends one choice
     (a stop string cut it) and `aclose()` all of them, freeing their state in the engine.
     """
 
-    def __init__(self, f: "Frontend", rid: str, prompt_ids: list[int], params, n: int, client_id: bool = False):
+    def __init__(self, f: "Frontend", rid: str, prompt_ids: list[int], params, n: int, client_id: bool = False,
+                 owner: str | None = None):
         if not 1 <= n <= MAX_CHOICES:
             raise InvalidArgument("n", n, f"must be an integer in [1, {MAX_CHOICES}]")
         self.request_ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
@@ -242,11 +254,14 @@ class Choices:
             raise InvalidArgument("request_id", rid[:40] + "...",
                                   f"must be at most {MAX_REQUEST_ID_CHARS - len(str(n - 1)) - 1} characters with "
                                   f"n = {n} (choice i runs as <request_id>-<i>)")
+        # a client's own ids run scoped by its owner (the ids shown to it stay its own)
+        runs = [scoped_request_id(owner, r) for r in self.request_ids] if owner else self.request_ids
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop, self._n, self._held = f.loop, n, []
         self._tasks = [asyncio.create_task(self._pump(i, f.run(
-            self.request_ids[i], prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
-            client_id=client_id and n == 1, submit=self._submit if n > 1 else None))) for i in range(n)]
+            runs[i], prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+            client_id=client_id and n == 1, submit=self._submit if n > 1 else None, shown=self.request_ids[i])))
+            for i in range(n)]
 
     def _submit(self, *entry) -> Future:
         """Hold each choice's submission until all n are in, then hand them to the engine in one command."""
@@ -314,7 +329,8 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         self._ready()
         rid, ids, params = await self.f.parse(request)
         n = request.n or 1
-        choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id))
+        choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id),
+                          owner=client_owner(context) if request.request_id else None)
         detoks = [Detokenizer(self.f.tokenizer) for _ in range(n)]
         finished = 0
         try:
@@ -337,7 +353,8 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         self._ready()
         rid, ids, params = await self.f.parse(request)
         n = request.n or 1
-        choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id))
+        choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id),
+                          owner=client_owner(context) if request.request_id else None)
         tokens, logprobs, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
         try:
             while not all(u is not None and u.finished for u in last):

@@ -29,7 +29,7 @@ from ..common.convert import (features_to_proto, logprobs_to_proto, params_from_
                               verify_item_from_proto, verify_result_to_proto)
 from ..common.heartbeat import Ewma
 from ..common.identity import OwnedTable, caller_of, key, split
-from ..common.limits import SAMPLING_FIELDS, check_request_id, check_sampling
+from ..common.limits import MAX_POD_REQUEST_ID_CHARS, SAMPLING_FIELDS, check_request_id, check_sampling
 
 _S = "verifier"
 log = logging.getLogger("dspark.verifier")
@@ -254,7 +254,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
     async def Prefill(self, request, context):
         self._ready()
         item = prefill_item_from_proto(request, self.target.eos_token_ids)
-        check_request_id(item.request_id)
+        check_request_id(item.request_id, limit=MAX_POD_REQUEST_ID_CHARS)
         check_sampling(item.params, self.target.vocab_size, SAMPLING_FIELDS)  # as the front door checked them
         item = dataclasses.replace(item, request_id=key(caller_of(context), item.request_id))  # caller's own
         [out], queued = await self._prefill.submit([item])
@@ -306,7 +306,7 @@ class VerifierServicer(verifier_service_pb2_grpc.VerifierServiceServicer):
         self._ready()
         if not request.request_id:
             raise InvalidArgument("request_id", request.request_id, "must not be empty")
-        check_request_id(request.request_id)
+        check_request_id(request.request_id, limit=MAX_POD_REQUEST_ID_CHARS)
         params = check_sampling(params_from_proto(request.sampling, self.target.eos_token_ids), self.target.vocab_size,
                                 SAMPLING_FIELDS)
         res, fresh, dt = await asyncio.get_running_loop().run_in_executor(

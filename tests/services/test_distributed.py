@@ -391,7 +391,7 @@ def test_scheduler_lost_mid_generation_client_retry_is_adopted_by_another(aio, s
         it = iter(call)
         got = list(next(it).token_ids)
         r = stack["redis"].client()
-        while r.get(f"dspark:request:{rid}") is None:
+        while r.get(f"dspark:request:anon/{rid}") is None:  # an anonymous client's own id, scoped
             got.extend(next(it).token_ids)
         s1.loop.stop()  # the scheduler "crashes": no more rounds, no cleanup
         cluster.stop(aio, s1)
@@ -417,7 +417,7 @@ def test_another_clients_request_cannot_overwrite_or_delete_a_checkpoint_it_does
     prompt, greedy = reference[0]
     s1 = cluster.scheduler(aio, redis_url=stack["redis"].url, adopt_after_s=0.5)
     s2 = cluster.scheduler(aio, redis_url=stack["redis"].url, adopt_after_s=0.5)
-    key = "dspark:request:job-0"
+    key = "dspark:request:anon/job-0"  # both clients are anonymous: their own ids share one scope
     try:
         stub1, ch1 = cluster.scheduler_stub(s1)
         req = ids_request(prompt, 60, cls=types_pb2.GenerateRequest)
@@ -441,6 +441,11 @@ def test_another_clients_request_cannot_overwrite_or_delete_a_checkpoint_it_does
         assert held is not None and json.loads(held) == victim
         retry = ids_request(prompt, 60)
         retry.request_id = "job-0"
+        # a client with other credentials naming job-0, with the victim's very prompt, is served afresh: the
+        # victim's checkpoint is not its to adopt, and stays
+        assert list(stub2.GenerateUnary(retry, timeout=60, metadata=[("authorization", "Bearer someone-else")])
+                    .token_ids) == greedy[:60]
+        assert s2.frontend.adopted == 0 and json.loads(r.get(key)) == victim
         assert list(stub2.GenerateUnary(retry, timeout=60).token_ids) == greedy[:60]
         assert s2.frontend.adopted == 1 and 0 < len(got) < 60
         ch2.close()

@@ -19,7 +19,7 @@ import pytest
 
 from dspark_protos.dspark.v1 import (drafter_service_pb2_grpc, scheduler_service_pb2_grpc, types_pb2,
                                      verifier_service_pb2_grpc)
-from services.common.identity import CALLER_METADATA
+from services.common.identity import CALLER_METADATA, credentials_owner, scoped_request_id
 from services.common.registry import PodRecord, Registry, RegistryConfig
 from services.common.security import tls_channel_options
 
@@ -29,6 +29,7 @@ from svc_redis import RedisServer
 
 KEY = "test-key-0123456789abcdef"
 AUTH = [("authorization", f"Bearer {KEY}")]
+KEY2 = "other-tenant-key-9876543210"
 PASSWORD = "redis-secret-42"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -58,7 +59,7 @@ def stack(aio, redis_pw, certs, fixtures_dir):
     auth = {"redis_url": redis_pw.url, "redis_password": PASSWORD}
     v = cluster.verifier(aio, t, d, vid="v-tls", tls_dir=str(ca / "verifier"), max_per_caller=48, **auth)
     dr = cluster.drafter(aio, d, did="d-tls", tls_dir=str(ca / "drafter"), max_per_caller=48, **auth)
-    s = cluster.scheduler(aio, tls_dir=str(ca / "scheduler"), api_keys=(KEY,), http_port=0, http_host="127.0.0.1",
+    s = cluster.scheduler(aio, tls_dir=str(ca / "scheduler"), api_keys=(KEY, KEY2), http_port=0, http_host="127.0.0.1",
                           **auth)
     ch = grpc.secure_channel(f"127.0.0.1:{s.port}", grpc.ssl_channel_credentials((ca / "ca.crt").read_bytes()),
                              options=tls_channel_options())
@@ -77,10 +78,10 @@ def _pod_channel(app, ca_dir, cert_dir=None):
     return grpc.secure_channel(f"127.0.0.1:{app.port}", creds, options=tls_channel_options())
 
 
-def _generate(stack, prompt, n, rid="", **sampling):
+def _generate(stack, prompt, n, rid="", key=KEY, **sampling):
     req = ids_request(prompt, n, **sampling)
     req.request_id = rid
-    return list(stack["stub"].GenerateUnary(req, timeout=120, metadata=AUTH).token_ids)
+    return list(stack["stub"].GenerateUnary(req, timeout=120, metadata=[("authorization", f"Bearer {key}")]).token_ids)
 
 
 def _stream(stack, prompt, n, rid=""):
@@ -248,9 +249,13 @@ def test_duplicate_request_id_is_the_new_requests_error_alone(stack, reference):
     first = _stream(stack, prompt, 40, rid="dup-1")
     it = iter(first)
     tokens = list(next(it).token_ids)
-    with pytest.raises(grpc.RpcError) as e:
+    # a client with another API key may name its request alike meanwhile: its own request, and it is not told
+    # that another one exists
+    assert _generate(stack, reference[0][0], 4, rid="dup-1", key=KEY2) == reference[0][1][:4]
+    with pytest.raises(grpc.RpcError) as e:  # (so the first one was still running during the call above)
         _generate(stack, reference[0][0], 4, rid="dup-1")
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dup-1" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'dup-1'" in e.value.details()
+    assert credentials_owner(f"Bearer {KEY}") not in e.value.details()  # the id it sent, not the scoped one
     tokens += [t for c in it for t in c.token_ids]
     assert tokens == greedy[:40]
     for rid, words in (("x" * 129, ["request_id", "128"]), ("has space", ["request_id", "letters"])):
@@ -269,19 +274,20 @@ def test_prefill_and_release_of_a_running_requests_id_by_a_neighbour_cannot_touc
     tokens = list(next(victim).token_ids)
     r = stack["redis"].client()
     deadline = time.monotonic() + 10
-    while r.get("dspark:request:victim-1") is None and time.monotonic() < deadline:
+    rid = scoped_request_id(credentials_owner(f"Bearer {KEY}"), "victim-1")  # what the scheduler runs it as
+    while r.get(f"dspark:request:{rid}") is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    sched = json.loads(r.get("dspark:request:victim-1"))["scheduler"]
+    sched = json.loads(r.get(f"dspark:request:{rid}"))["scheduler"]
     with _pod_channel(stack["v"], ca, ca / "drafter") as ch:
         stub = verifier_service_pb2_grpc.VerifierServiceStub(ch)
         md = [(CALLER_METADATA, sched)]
         # a context longer than the victim's: its next Verify would truncate it and run on the forgery
         forged = [9] * (len(prompt) + 60)
         for _ in range(3):
-            stub.Prefill(types_pb2.PrefillRequest(request_id="victim-1", prompt_token_ids=forged),
+            stub.Prefill(types_pb2.PrefillRequest(request_id=rid, prompt_token_ids=forged),
                          timeout=30, metadata=md)
             tokens += list(next(victim).token_ids)
-        stub.Release(types_pb2.VerifierServiceReleaseRequest(request_ids=["victim-1"]), timeout=30, metadata=md)
+        stub.Release(types_pb2.VerifierServiceReleaseRequest(request_ids=[rid]), timeout=30, metadata=md)
     tokens += [t for c in victim for t in c.token_ids]
     assert tokens == greedy[:64]
 
