@@ -83,6 +83,7 @@ def _run_all(args) -> int:
         embedded_calibration_file=str(cal) if drafter and (cal := calibration_of(drafter)) else None,
         served_model_name=args.served_model_name, device=args.device, dtype=args.dtype, weights=args.weights,
         kv_cache_bytes=flags.kv_cache_bytes(args), policy=args.policy, block_size=args.block_size, max_active=args.max_active, max_waiting=args.max_waiting,
+        max_requests_per_client=args.max_requests_per_client,
         default_max_new_tokens=args.default_max_new_tokens, profile_budget_s=args.sps_profile_seconds,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,

@@ -9,10 +9,10 @@ loudly when they run without TLS. `OwnedTable` holds such keyed state with a per
 times for expiry.
 
 A scheduler's clients may choose request ids too (to retry on another scheduler after a failover); those are
-scoped the same way one level up: `client_owner` names the credentials a client called with (its API key, its
-TLS certificate) and `scoped_request_id` puts that owner in front of the id, so two clients naming a request
-`job-1` neither collide nor learn of each other, and only the same credentials adopt a checkpoint. Knows
-nothing about models.
+scoped the same way one level up: `client_owner` names the credentials a client was checked by (its API key,
+its TLS certificate) and `scoped_request_id` puts that owner in front of the id, so two clients naming a
+request `job-1` neither collide nor learn of each other, and only the same credentials adopt a checkpoint. The
+same owner is what the scheduler's per-client request limit counts by. Knows nothing about models.
 """
 
 from __future__ import annotations
@@ -59,24 +59,28 @@ def caller_of(context) -> str:
 ANONYMOUS_OWNER = "anon"
 
 
-def client_owner(context) -> str:
-    """Who owns the request ids a scheduler client chooses: 16 hex digits of a hash of the credentials the call
-    presented (the `authorization` metadata, i.e. its API key, and its TLS client certificate's name), or
-    ANONYMOUS_OWNER for a call that presented neither. The key itself is never kept or shown."""
+def client_owner(context, trust_api_key: bool) -> str:
+    """Who a scheduler client is: 16 hex digits of a hash of its credentials (the API key of its `authorization`
+    metadata when the scheduler checks API keys, and its TLS client certificate's name), or ANONYMOUS_OWNER for
+    a call that presented neither. Without API-key checking any client could name any key, so a key alone
+    identifies nobody then. The key itself is never kept or shown."""
     bearer = ""
-    for k, v in context.invocation_metadata() or ():
-        if k == "authorization":
-            bearer = v if isinstance(v, str) else v.decode("latin-1")
-            break
+    if trust_api_key:
+        for k, v in context.invocation_metadata() or ():
+            if k == "authorization":
+                bearer = v if isinstance(v, str) else v.decode("latin-1")
+                break
     return credentials_owner(bearer, _certificate_name(context))
 
 
 def credentials_owner(authorization: str, certificate_name: str = "") -> str:
-    """`client_owner` of a call with this `authorization` value and certificate name."""
-    if not authorization and not certificate_name:
+    """The owner of a call with this (checked) `authorization` value (`Bearer <key>`; HTTP header or gRPC metadata
+    alike) and certificate name."""
+    api_key = authorization[len("Bearer "):].strip() if authorization.startswith("Bearer ") else authorization.strip()
+    if not api_key and not certificate_name:
         return ANONYMOUS_OWNER
     h = hashlib.sha256(b"dspark request owner\0")
-    h.update(authorization.encode("utf-8", "surrogatepass") + b"\0" + certificate_name.encode("utf-8", "surrogatepass"))
+    h.update(api_key.encode("utf-8", "surrogatepass") + b"\0" + certificate_name.encode("utf-8", "surrogatepass"))
     return h.hexdigest()[:16]
 
 

@@ -533,7 +533,10 @@ def make_app(f: Frontend, is_serving, redis_up=None, api_keys: tuple[str, ...] =
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         echo = _prompt_text(body, f, ids) if opts.echo else ""
-        runs = Choices(f, rid, ids, params, opts.n)  # the n requests join the engine together
+        try:  # the n requests join the engine together
+            runs = Choices(f, rid, ids, params, opts.n, owner=f.owner_of_http(request.headers.get("Authorization")))
+        except DSparkError as exc:  # e.g. this client's request limit
+            return _map_error(exc)
         choices = [_ChoiceRun(i, f, opts, runs) for i in range(opts.n)]
         try:
             if not opts.stream:

@@ -21,6 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="requests verified together at most (default 64)")
     p.add_argument("--max-waiting", type=int, default=int(flags.env("MAX_WAITING", 256)),
                    help="requests queued at most before RESOURCE_EXHAUSTED (default 256)")
+    p.add_argument("--max-requests-per-client", type=int, default=int(flags.env("MAX_REQUESTS_PER_CLIENT", 0)),
+                   help="requests one client (an API key or client certificate; anonymous callers share one) runs "
+                        "at once, n choices counting n, before RESOURCE_EXHAUSTED / HTTP 429 (default 0: no limit "
+                        "but --max-waiting)")
     p.add_argument("--default-max-new-tokens", type=int, default=int(flags.env("DEFAULT_MAX_NEW_TOKENS", 128)),
                    help="tokens a request without max_new_tokens / max_tokens generates at most (default 128)")
     p.add_argument("--served-model-name", default=flags.env("SERVED_MODEL_NAME"),
@@ -117,7 +121,8 @@ def run(args) -> int:
         redis_url=args.redis_url, use_drafter=False if args.drafter == "none" else None,
         tokenizer_dir=args.tokenizer or args.target or _default_tokenizer(),
         tokenizer_checked=not (args.tokenizer or args.target), policy=args.policy, block_size=args.block_size,
-        max_active=args.max_active, max_waiting=args.max_waiting, default_max_new_tokens=args.default_max_new_tokens,
+        max_active=args.max_active, max_waiting=args.max_waiting,
+        max_requests_per_client=args.max_requests_per_client, default_max_new_tokens=args.default_max_new_tokens,
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
         startup_wait_s=args.startup_wait, autoscale_pools=pools, served_model_name=args.served_model_name,
         namespace=os.environ.get("POD_NAMESPACE", "default"),

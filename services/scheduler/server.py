@@ -67,6 +67,9 @@ class SchedulerConfig:
     block_size: int | None = None
     max_active: int = 64
     max_waiting: int = 256
+    # engine requests one client (API key / client certificate; all anonymous callers together) holds at once,
+    # n choices counting n; 0 = no limit but max_waiting
+    max_requests_per_client: int = 0
     default_max_new_tokens: int = 128
     http_port: int | None = None
     http_host: str = "0.0.0.0"
@@ -119,6 +122,9 @@ class SchedulerConfig:
             raise InvalidArgument("verifier_grace_s", self.verifier_grace_s, "must be >= 0")
         if self.default_max_new_tokens < 1:
             raise InvalidArgument("default_max_new_tokens", self.default_max_new_tokens, "must be >= 1")
+        if not (isinstance(self.max_requests_per_client, int) and self.max_requests_per_client >= 0):
+            raise InvalidArgument("max_requests_per_client", self.max_requests_per_client,
+                                  "must be an integer >= 0 (0: no limit)")
 
 
 @dataclass
@@ -309,7 +315,8 @@ class SchedulerApp(ServingApp):
         self.engine = self.loop.engine
         self.loop.start()
         self.frontend = Frontend(self.loop, card, tokenizer, self.registry if rv is not None else None,
-                                 c.adopt_after_s)
+                                 c.adopt_after_s, max_requests_per_client=c.max_requests_per_client,
+                                 trust_api_key=bool(c.api_keys))
         self.servicer.f = self.frontend
         if c.http_port is not None:
             from .http import start_http

@@ -14,14 +14,14 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from dspark_core.errors import InvalidArgument
+from dspark_core.errors import InvalidArgument, ResourceExhausted
 from dspark_core.scheduling import POLICY_ALIASES
 from dspark_core.verifier import validate_prompt_ids
 from dspark_protos.dspark.v1 import scheduler_service_pb2_grpc, types_pb2
 
 from ..common.convert import FINISH_REASONS, logprobs_to_proto, params_from_proto
 from ..common.errors import Unavailable
-from ..common.identity import client_owner, scoped_request_id
+from ..common.identity import ANONYMOUS_OWNER, client_owner, credentials_owner, scoped_request_id
 from ..common.limits import MAX_REQUEST_ID_CHARS, SAMPLING_FIELDS, check_request_id, check_sampling
 from ..common.tracing import tracer
 from .loop import EngineLoop, Update
@@ -89,8 +89,14 @@ def encode_text(tokenizer, text: str, field: str, chat: bool = False) -> list[in
 class Frontend:
     """What the gRPC servicer and the HTTP routes share: validation and running one request."""
 
-    def __init__(self, loop: EngineLoop, card: ModelCard, tokenizer, registry=None, adopt_after_s: float = 5.0):
+    def __init__(self, loop: EngineLoop, card: ModelCard, tokenizer, registry=None, adopt_after_s: float = 5.0,
+                 max_requests_per_client: int = 0, trust_api_key: bool = False):
         self.loop, self.card, self.tokenizer = loop, card, tokenizer
+        # who a client is (services.common.identity.client_owner): its API key counts only when keys are checked
+        self.trust_api_key = trust_api_key
+        # engine requests (n choices count n) one client may hold at once; 0: no limit but the queue's
+        self.max_requests_per_client = max_requests_per_client
+        self.held_by: dict[str, int] = {}
         # a client-chosen request id whose Redis checkpoint has not moved for adopt_after_s belongs to a
         # scheduler that is gone: this one adopts it (continues from the committed tokens)
         self.registry, self.adopt_after_s = registry, adopt_after_s
@@ -99,6 +105,29 @@ class Frontend:
         # a text longer than this cannot fit in the context window even if every token were the longest one
         self.max_prompt_bytes = card.max_context * max(4, min(
             longest_token_bytes(tokenizer) if tokenizer is not None else 16, 256))
+
+    def owner_of(self, context) -> str:
+        """The client of a gRPC call (`client_owner`)."""
+        return client_owner(context, self.trust_api_key)
+
+    def owner_of_http(self, authorization: str | None) -> str:
+        """The client of an HTTP request, from its `Authorization` header (the same owner as on gRPC)."""
+        return credentials_owner(authorization or "") if self.trust_api_key else ANONYMOUS_OWNER
+
+    def hold(self, owner: str, n: int) -> None:
+        """Count `n` more requests against `owner`'s limit, or ResourceExhausted (its other requests go on)."""
+        held = self.held_by.get(owner, 0)
+        if self.max_requests_per_client and held + n > self.max_requests_per_client:
+            raise ResourceExhausted(f"this client already runs {held} requests; at most {self.max_requests_per_client} "
+                                    f"at once per client (--max-requests-per-client), and this one asks for {n}")
+        self.held_by[owner] = held + n
+
+    def unhold(self, owner: str, n: int) -> None:
+        left = self.held_by.get(owner, 0) - n
+        if left > 0:
+            self.held_by[owner] = left
+        else:
+            self.held_by.pop(owner, None)
 
     async def encode(self, text: str, field: str, chat: bool = False, messages: list | None = None) -> list[int]:
         """Tokenize off the event loop, within the byte and token limits of the context window."""
@@ -238,15 +267,16 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 class Choices:
     """The n choices of one request: n engine requests submitted together (so the verifier prefills the
-    shared prompt once), choice i seeded by `choice_seed`, their updates merged in arrival order. A client's
-    own request id runs scoped by `owner` (`scoped_request_id`): in the engine, in Redis and on the pods.
+    shared prompt once), choice i seeded by `choice_seed`, their updates merged in arrival order. They count
+    against `owner`'s request limit until `aclose()`; a client's own request id (`client_id`) runs scoped by
+    `owner` (`scoped_request_id`): in the engine, in Redis and on the pods.
 
     `next()` returns (index, Update) or raises the error that ended a choice; `cancel(i)` ends one choice
     (a stop string cut it) and `aclose()` all of them, freeing their state in the engine.
     """
 
     def __init__(self, f: "Frontend", rid: str, prompt_ids: list[int], params, n: int, client_id: bool = False,
-                 owner: str | None = None):
+                 owner: str = ANONYMOUS_OWNER):
         if not 1 <= n <= MAX_CHOICES:
             raise InvalidArgument("n", n, f"must be an integer in [1, {MAX_CHOICES}]")
         self.request_ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
@@ -255,7 +285,9 @@ class Choices:
                                   f"must be at most {MAX_REQUEST_ID_CHARS - len(str(n - 1)) - 1} characters with "
                                   f"n = {n} (choice i runs as <request_id>-<i>)")
         # a client's own ids run scoped by its owner (the ids shown to it stay its own)
-        runs = [scoped_request_id(owner, r) for r in self.request_ids] if owner else self.request_ids
+        runs = [scoped_request_id(owner, r) for r in self.request_ids] if client_id else self.request_ids
+        f.hold(owner, n)  # last: nothing below fails, and aclose() gives it back
+        self._f, self._owner = f, owner
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop, self._n, self._held = f.loop, n, []
         self._tasks = [asyncio.create_task(self._pump(i, f.run(
@@ -294,6 +326,9 @@ class Choices:
         self._tasks[index].cancel()
 
     async def aclose(self) -> None:
+        if self._owner is not None:  # at once: a cancelled handler may not get past the await below
+            self._f.unhold(self._owner, self._n)
+            self._owner = None
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -330,7 +365,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         rid, ids, params = await self.f.parse(request)
         n = request.n or 1
         choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id),
-                          owner=client_owner(context) if request.request_id else None)
+                          owner=self.f.owner_of(context))
         detoks = [Detokenizer(self.f.tokenizer) for _ in range(n)]
         finished = 0
         try:
@@ -354,7 +389,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         rid, ids, params = await self.f.parse(request)
         n = request.n or 1
         choices = Choices(self.f, rid, ids, params, n, client_id=bool(request.request_id),
-                          owner=client_owner(context) if request.request_id else None)
+                          owner=self.f.owner_of(context))
         tokens, logprobs, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
         try:
             while not all(u is not None and u.finished for u in last):

@@ -27,9 +27,10 @@ SERVE: dict[str, ServeFlags] = {
         # --draft-window: the drafter's context window (EngineConfig.draft_window)
         # --slot-correction: the online slot correction (EngineConfig.slot_correction)
         # --draft-gate-scope: what the draft gate decides for (EngineConfig.draft_gate_scope)
+        # --max-requests-per-client: one client's share of the scheduler (Frontend.hold)
         optional=frozenset({"--policy", "--target", "--served-model-name", "--calibration-bound", "--collapse-ratio",
                             "--target-user-tps", "--draft-window", "--slot-correction",
-                            "--draft-gate-scope"}),
+                            "--draft-gate-scope", "--max-requests-per-client"}),
         switches=frozenset({"--autoscale"}),
     ),
     "verifier": ServeFlags(

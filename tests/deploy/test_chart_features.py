@@ -436,6 +436,15 @@ def test_draft_gate_scope_value_reaches_the_scheduler_flag(chart):
     assert "draftGateScope" in _render_error(chart, {"scheduler": {"draftGateScope": "step"}})
 
 
+def test_max_requests_per_client_value_reaches_the_scheduler_flag(chart):
+    args = main_container(deployment_of(manifests(render(chart, {})), "scheduler"))["args"]
+    assert args[args.index("--max-requests-per-client") + 1] == "0"
+    some = main_container(deployment_of(manifests(render(chart, {"scheduler": {"maxRequestsPerClient": 12}})),
+                                        "scheduler"))
+    assert some["args"][some["args"].index("--max-requests-per-client") + 1] == "12"
+    assert "maxRequestsPerClient" in _render_error(chart, {"scheduler": {"maxRequestsPerClient": -1}})
+
+
 def test_verifier_weights_value_reaches_the_service_flag(chart):
     """`verifier.weights` renders as the verifier's `--weights` (absent when empty: the service's auto)."""
     def args(values):

@@ -358,3 +358,67 @@ def test_a_certificate_name_with_a_slash_cannot_alias_another_callers_requests(s
         got = theirs.Release(release, timeout=30, metadata=[(CALLER_METADATA, "b")])
         assert got.num_released == 0
         assert mine.Release(release, timeout=30, metadata=[(CALLER_METADATA, "a/b")]).num_released == 1
+
+
+def test_one_api_key_holds_at_most_its_request_limit_and_the_other_keys_are_served(aio, stack, certs, reference):
+    """`--max-requests-per-client 2`: a client (API key) running two requests gets RESOURCE_EXHAUSTED (HTTP 429)
+    for a third, naming the flag, while another key's client is served; n choices count n; a finished or
+    cancelled request gives its place back. The verifier's model thread is held meanwhile, so the requests are
+    surely still running when the others arrive."""
+    import threading
+
+    ca, _ = certs
+    s = cluster.scheduler(aio, tls_dir=str(ca / "scheduler"), api_keys=(KEY, KEY2), http_port=0, http_host="127.0.0.1",
+                          max_requests_per_client=2, redis_url=stack["redis"].url, redis_password=PASSWORD)
+    ch = grpc.secure_channel(f"127.0.0.1:{s.port}", grpc.ssl_channel_credentials((ca / "ca.crt").read_bytes()),
+                             options=tls_channel_options())
+    stub = scheduler_service_pb2_grpc.SchedulerServiceStub(ch)
+    mine = {"stub": stub, "ca": ca, "s": s}
+    gate = threading.Event()
+    pool = cf.ThreadPoolExecutor(4)
+    try:
+        stack["v"].servicer.executor.submit(gate.wait, 60)  # the verifier computes nothing until the gate opens
+        (p0, g0), (p1, g1) = reference[0], reference[1]
+        running = [pool.submit(_generate, mine, p, 12) for p in (p0, p1)]
+        deadline = time.monotonic() + 20
+        while sum(s.frontend.held_by.values()) < 2:
+            assert time.monotonic() < deadline, "the two requests never reached the scheduler"
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as e:
+            _generate(mine, p0, 4)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-requests-per-client" in e.value.details() and "2" in e.value.details()
+        status, body = _http(mine, "/v1/completions", {"prompt": [int(t) for t in p0], "max_tokens": 4})
+        assert status == 429 and "rate_limit_error" in body
+        def choices(n, tokens):
+            req = ids_request(p1, tokens)
+            req.n = n
+            return stub.GenerateUnary(req, timeout=60, metadata=[("authorization", f"Bearer {KEY2}")])
+
+        with pytest.raises(grpc.RpcError) as e:  # three choices are three requests
+            choices(3, 4)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        other = pool.submit(choices, 2, 6)
+        while sum(s.frontend.held_by.values()) < 4:
+            assert time.monotonic() < deadline, "the other key's request never reached the scheduler"
+            time.sleep(0.02)
+        gate.set()
+        assert [f.result(60) for f in running] == [g0[:12], g1[:12]]
+        assert [list(c.token_ids) for c in other.result(60).choices] == [g1[:6]] * 2
+        assert s.frontend.held_by == {}  # every place given back
+        assert _generate(mine, p0, 4) == g0[:4]
+        # a cancelled stream gives its place back too
+        calls = [_stream(mine, p0, 64) for _ in range(2)]
+        firsts = [list(next(c).token_ids) for c in calls]
+        calls[0].cancel()
+        deadline = time.monotonic() + 20
+        while sum(s.frontend.held_by.values()) > 1:
+            assert time.monotonic() < deadline, "a cancelled request kept its place"
+            time.sleep(0.02)
+        assert _generate(mine, p1, 4) == g1[:4]
+        assert firsts[1] + [t for c in calls[1] for t in c.token_ids] == g0[:64]
+    finally:
+        gate.set()
+        pool.shutdown()
+        ch.close()
+        cluster.stop(aio, s)
