@@ -441,12 +441,45 @@ def test_another_clients_request_cannot_overwrite_or_delete_a_checkpoint_it_does
         assert held is not None and json.loads(held) == victim
         retry = ids_request(prompt, 60)
         retry.request_id = "job-0"
-        # a client with other credentials naming job-0, with the victim's very prompt, is served afresh: the
-        # victim's checkpoint is not its to adopt, and stays
-        assert list(stub2.GenerateUnary(retry, timeout=60, metadata=[("authorization", "Bearer someone-else")])
-                    .token_ids) == greedy[:60]
-        assert s2.frontend.adopted == 0 and json.loads(r.get(key)) == victim
         assert list(stub2.GenerateUnary(retry, timeout=60).token_ids) == greedy[:60]
+        assert s2.frontend.adopted == 1 and 0 < len(got) < 60
+        ch2.close()
+    finally:
+        cluster.stop(aio, s1, s2)
+
+
+def test_a_lost_schedulers_request_is_adopted_only_by_the_api_key_that_chose_its_id(aio, stack, reference):
+    """Schedulers checking API keys scope a client's own request ids by its key: another key's client retrying
+    with the victim's id and very prompt after the victim's scheduler is lost is served afresh (the checkpoint is
+    not its to adopt, and stays); the victim's own retry is adopted."""
+    from services.common.identity import credentials_owner, scoped_request_id
+
+    prompt, greedy = reference[0]
+    keys = ("tenant-a-key-0123456789", "tenant-b-key-0123456789")
+    s1 = cluster.scheduler(aio, redis_url=stack["redis"].url, adopt_after_s=0.5, api_keys=keys)
+    s2 = cluster.scheduler(aio, redis_url=stack["redis"].url, adopt_after_s=0.5, api_keys=keys)
+    auth = [[("authorization", f"Bearer {k}")] for k in keys]
+    key = f"dspark:request:{scoped_request_id(credentials_owner(f'Bearer {keys[0]}'), 'mine-1')}"
+    try:
+        stub1, ch1 = cluster.scheduler_stub(s1)
+        req = ids_request(prompt, 60, cls=types_pb2.GenerateRequest)
+        req.request_id = "mine-1"
+        it = iter(stub1.Generate(req, timeout=60, metadata=auth[0]))
+        got = list(next(it).token_ids)
+        r = stack["redis"].client()
+        while r.get(key) is None:
+            got.extend(next(it).token_ids)
+        s1.loop.stop()  # the victim's scheduler "crashes": its checkpoint stays for an adoption
+        cluster.stop(aio, s1)
+        ch1.close()
+        victim = json.loads(r.get(key))
+        time.sleep(0.6)  # past adopt_after_s: the checkpoint is up for adoption
+        stub2, ch2 = cluster.scheduler_stub(s2)
+        retry = ids_request(prompt, 60)
+        retry.request_id = "mine-1"
+        assert list(stub2.GenerateUnary(retry, timeout=60, metadata=auth[1]).token_ids) == greedy[:60]
+        assert s2.frontend.adopted == 0 and json.loads(r.get(key)) == victim
+        assert list(stub2.GenerateUnary(retry, timeout=60, metadata=auth[0]).token_ids) == greedy[:60]
         assert s2.frontend.adopted == 1 and 0 < len(got) < 60
         ch2.close()
     finally:
