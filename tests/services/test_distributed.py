@@ -409,6 +409,23 @@ def test_scheduler_lost_mid_generation_client_retry_is_adopted_by_another(aio, s
         cluster.stop(aio, s1, s2)
 
 
+def _run_until_checkpointed_then_crash(aio, stack, sched, prompt, rid, key, metadata=None) -> list[int]:
+    """Stream a 60-token request `rid` from `sched` until its checkpoint `key` is in Redis, then "crash" the
+    scheduler (no more rounds, no cleanup: the checkpoint stays for an adoption). Returns the tokens received."""
+    stub, ch = cluster.scheduler_stub(sched)
+    req = ids_request(prompt, 60, cls=types_pb2.GenerateRequest)
+    req.request_id = rid
+    it = iter(stub.Generate(req, timeout=60, metadata=metadata))
+    got = list(next(it).token_ids)
+    r = stack["redis"].client()
+    while r.get(key) is None:
+        got.extend(next(it).token_ids)
+    sched.loop.stop()
+    cluster.stop(aio, sched)
+    ch.close()
+    return got
+
+
 def test_another_clients_request_cannot_overwrite_or_delete_a_checkpoint_it_does_not_own(aio, stack, reference):
     """Checkpoint keys are request ids, which clients choose: a client of another scheduler that names its
     request `job` with n = 2 runs choice ids job-0 and job-1, which no adoption check guards. Its scheduler
@@ -419,17 +436,8 @@ def test_another_clients_request_cannot_overwrite_or_delete_a_checkpoint_it_does
     s2 = cluster.scheduler(aio, redis_url=stack["redis"].url, adopt_after_s=0.5)
     key = "dspark:request:anon/job-0"  # both clients are anonymous: their own ids share one scope
     try:
-        stub1, ch1 = cluster.scheduler_stub(s1)
-        req = ids_request(prompt, 60, cls=types_pb2.GenerateRequest)
-        req.request_id = "job-0"
-        it = iter(stub1.Generate(req, timeout=60))
-        got = list(next(it).token_ids)
+        got = _run_until_checkpointed_then_crash(aio, stack, s1, prompt, "job-0", key)
         r = stack["redis"].client()
-        while r.get(key) is None:
-            got.extend(next(it).token_ids)
-        s1.loop.stop()  # the victim's scheduler "crashes": its checkpoint stays for an adoption
-        cluster.stop(aio, s1)
-        ch1.close()
         victim = json.loads(r.get(key))
         stub2, ch2 = cluster.scheduler_stub(s2)
         attack = ids_request(reference[1][0], 8)
@@ -461,17 +469,8 @@ def test_a_lost_schedulers_request_is_adopted_only_by_the_api_key_that_chose_its
     auth = [[("authorization", f"Bearer {k}")] for k in keys]
     key = f"dspark:request:{scoped_request_id(credentials_owner(f'Bearer {keys[0]}'), 'mine-1')}"
     try:
-        stub1, ch1 = cluster.scheduler_stub(s1)
-        req = ids_request(prompt, 60, cls=types_pb2.GenerateRequest)
-        req.request_id = "mine-1"
-        it = iter(stub1.Generate(req, timeout=60, metadata=auth[0]))
-        got = list(next(it).token_ids)
+        got = _run_until_checkpointed_then_crash(aio, stack, s1, prompt, "mine-1", key, auth[0])
         r = stack["redis"].client()
-        while r.get(key) is None:
-            got.extend(next(it).token_ids)
-        s1.loop.stop()  # the victim's scheduler "crashes": its checkpoint stays for an adoption
-        cluster.stop(aio, s1)
-        ch1.close()
         victim = json.loads(r.get(key))
         time.sleep(0.6)  # past adopt_after_s: the checkpoint is up for adoption
         stub2, ch2 = cluster.scheduler_stub(s2)
