@@ -82,6 +82,9 @@ def build_target_cache(target, samples: list[Sample], out_dir: str | Path, *, dt
         raise InvalidArgument("tap_layer_ids", (), "the target must tap the drafter's layers to build a cache")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    empty = [j for j, smp in enumerate(samples) if not smp.prompt_ids and not smp.response_ids]
+    if empty:
+        raise InvalidArgument("samples", empty[:5], "must each hold at least one token")
     groups = _prompt_groups(samples, range(len(samples)))
     mine = [j for g in groups[rank::world_size] for j in g]
     manifest = CacheManifest(target=target.name, tap_layer_ids=list(target.config.tap_layer_ids),

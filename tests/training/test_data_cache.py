@@ -114,6 +114,8 @@ def test_cache_round_trip_matches_a_direct_forward(tiny_target_dir, tmp_path, wo
         torch.testing.assert_close(row["features"], out.taps, atol=1e-5, rtol=0)
         torch.testing.assert_close(row["final_hidden"], out.final_hidden, atol=1e-5, rtol=0)
     assert estimate_cache_bytes(100, 2, 64, "float32") == 100 * (3 * 64 * 4 + 5)
+    with pytest.raises(InvalidArgument, match="at least one token"):
+        build_target_cache(target, samples + [Sample([], [])], tmp_path / "bad", progress=False)
 
 
 def test_cache_refuses_a_mismatched_drafter(tiny_target_dir, tmp_path):
