@@ -85,8 +85,8 @@ def build_target_cache(target, samples: list[Sample], out_dir: str | Path, *, dt
     empty = [j for j, smp in enumerate(samples) if not smp.prompt_ids and not smp.response_ids]
     if empty:
         raise InvalidArgument("samples", empty[:5], "must each hold at least one token")
-    groups = _prompt_groups(samples, range(len(samples)))
-    mine = [j for g in groups[rank::world_size] for j in g]
+    my_groups = _prompt_groups(samples, range(len(samples)))[rank::world_size]  # a prompt's answers stay on one rank
+    mine = [j for g in my_groups for j in g]
     manifest = CacheManifest(target=target.name, tap_layer_ids=list(target.config.tap_layer_ids),
                              hidden_size=target.hidden_size, vocab_size=target.vocab_size, dtype=dtype)
     bar = tqdm(total=len(mine), desc=f"cache[rank {rank}]", unit="seq", disable=not progress)
@@ -111,7 +111,7 @@ def build_target_cache(target, samples: list[Sample], out_dir: str | Path, *, dt
         for v in buf.values():
             v.clear()
 
-    for batch in _batches(_prompt_groups(samples, mine), samples, batch_tokens):
+    for batch in _batches(my_groups, samples, batch_tokens):
         for j, feat, hid in _run_batch(target, samples, batch):
             buf["ids"].append(torch.tensor(samples[j].input_ids))
             buf["mask"].append(torch.tensor(samples[j].loss_mask))

@@ -22,6 +22,8 @@ import time
 
 from dspark_core.errors import ResourceExhausted
 
+from .security import bearer_key
+
 CALLER_METADATA = "x-dspark-caller"
 _SEP = "\x1f"  # cannot occur in a request id (services.common.limits) or a metadata value
 
@@ -64,19 +66,14 @@ def client_owner(context, trust_api_key: bool) -> str:
     metadata when the scheduler checks API keys, and its TLS client certificate's name), or ANONYMOUS_OWNER for
     a call that presented neither. Without API-key checking any client could name any key, so a key alone
     identifies nobody then. The key itself is never kept or shown."""
-    bearer = ""
-    if trust_api_key:
-        for k, v in context.invocation_metadata() or ():
-            if k == "authorization":
-                bearer = v if isinstance(v, str) else v.decode("latin-1")
-                break
-    return credentials_owner(bearer, _certificate_name(context))
+    header = next((v for k, v in (context.invocation_metadata() or ()) if k == "authorization"), None)
+    return credentials_owner(header if trust_api_key else None, _certificate_name(context))
 
 
-def credentials_owner(authorization: str, certificate_name: str = "") -> str:
+def credentials_owner(authorization: str | None, certificate_name: str = "") -> str:
     """The owner of a call with this (checked) `authorization` value (`Bearer <key>`; HTTP header or gRPC metadata
     alike) and certificate name."""
-    api_key = authorization[len("Bearer "):].strip() if authorization.startswith("Bearer ") else authorization.strip()
+    api_key = bearer_key(authorization) or ""
     if not api_key and not certificate_name:
         return ANONYMOUS_OWNER
     h = hashlib.sha256(b"dspark request owner\0")

@@ -103,11 +103,19 @@ def parse_api_keys(flag_values, env_value: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
+def bearer_key(header: str | None) -> str | None:
+    """The key of an `authorization` value `Bearer <key>` (HTTP header or gRPC metadata); None for anything else."""
+    if not isinstance(header, str) or not header.startswith("Bearer "):
+        return None
+    return header[len("Bearer "):].strip()
+
+
 def key_ok(header: str | None, keys: tuple[str, ...]) -> bool:
     """Whether an `authorization` value is `Bearer <one of keys>` (constant-time comparisons)."""
-    if not header or not header.startswith("Bearer "):
+    key = bearer_key(header)
+    if key is None:
         return False
-    got = header[len("Bearer "):].strip().encode("utf-8", "surrogatepass")  # HTTP may send bytes no str holds
+    got = key.encode("utf-8", "surrogatepass")  # HTTP may send bytes no str holds
     ok = False
     for k in keys:
         ok |= hmac.compare_digest(got, k.encode())

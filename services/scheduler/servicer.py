@@ -112,7 +112,7 @@ class Frontend:
 
     def owner_of_http(self, authorization: str | None) -> str:
         """The client of an HTTP request, from its `Authorization` header (the same owner as on gRPC)."""
-        return credentials_owner(authorization or "") if self.trust_api_key else ANONYMOUS_OWNER
+        return credentials_owner(authorization if self.trust_api_key else None)
 
     def hold(self, owner: str, n: int) -> None:
         """Count `n` more requests against `owner`'s limit, or ResourceExhausted (its other requests go on)."""
