@@ -7,7 +7,8 @@ later `dspark train --responses ...` run (or `scripts/train_assistant.py --respo
 it can run for hours in the background and be resumed (the journal keeps every finished answer; rerunning the
 same command skips them).
 
-Prompts: the train split (`dspark_core.training.data.split`, 80%) of every `--data` file, deduplicated by text,
+Prompts: the train split (`dspark_core.training.data.split`, 80%) of every `--data` file (`--split all`: every
+prompt of a file that holds training prompts only, like `scripts/stdlib_prompts.py`'s), deduplicated by text,
 minus every prompt in the `--exclude` files (DeepSpec prompt files, `{"turns": [...]}` per line), at most
 `--max-prompt-tokens` tokens after the chat template, shortest first (the engine answers them in batches).
 Held-out prompts are never read, so `dspark eval` / `dspark calibrate` on the same files stay out of sample.
@@ -30,6 +31,9 @@ def main() -> int:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--data", nargs="+", default=sorted(str(f) for f in (REPO / "data" / "dev").glob("*.jsonl")))
     p.add_argument("--exclude", nargs="*", default=[], help="prompt files whose prompts are already answered")
+    p.add_argument("--split", choices=("train", "all"), default="train",
+                   help="train: the 80%% training split of each file (data/dev); all: every prompt (a file of training "
+                        "prompts only, e.g. scripts/stdlib_prompts.py's)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -53,14 +57,14 @@ def main() -> int:
         skip.update(pr.text for pr in load_prompts(f))
     seen, prompts = set(), []
     for f in args.data:
-        train, _held = split(load_prompts(f))
+        train = split(load_prompts(f))[0] if args.split == "train" else load_prompts(f)
         for pr in train:
             if pr.text not in skip and pr.text not in seen:
                 seen.add(pr.text)
                 prompts.append(pr)
     sized = sorted(((len(encode_prompt(target.tokenizer, pr.text)), pr) for pr in prompts), key=lambda e: e[0])
     chosen = [pr for n, pr in sized if args.min_prompt_tokens < n <= args.max_prompt_tokens][: args.limit]
-    print(f"{len(prompts)} new train-split prompts, {len(chosen)} answered ({args.min_prompt_tokens} < prompt "
+    print(f"{len(prompts)} new {'train-split ' if args.split == 'train' else ''}prompts, {len(chosen)} answered ({args.min_prompt_tokens} < prompt "
           f"tokens <= {args.max_prompt_tokens}), T = {args.temperature}", flush=True)
     t0 = time.time()
     out = Path(args.out)
