@@ -93,10 +93,11 @@ def main() -> int:
         prompts.append(rng.choice(TEMPLATES).format(module=module, qual=qual, name=name, sig=sig, doc=doc))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    distinct = list(dict.fromkeys(prompts))  # two callables can read alike (same name, signature and sentence)
     with out.open("w", encoding="utf-8") as fh:
-        for text in dict.fromkeys(prompts):
+        for text in distinct:
             fh.write(json.dumps({"turns": [text]}) + "\n")
-    print(f"{len(items)} documented standard-library callables, {len(prompts)} prompts -> {out}")
+    print(f"{len(items)} documented standard-library callables, {len(distinct)} distinct prompts -> {out}")
     return 0
 
 

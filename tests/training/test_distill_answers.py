@@ -76,7 +76,7 @@ def test_stdlib_prompts_name_real_documented_callables(tmp_path):
         return [json.loads(line)["turns"][0] for line in out.read_text().splitlines()]
 
     a = make("a.jsonl", 0)
-    assert len(a) == len(set(a)) == 200
+    assert len(a) == len(set(a)) >= 190  # at most --count, distinct
     assert make("b.jsonl", 0) == a and make("c.jsonl", 1) != a
     checked = 0
     for text in a[:60]:
