@@ -297,9 +297,11 @@ def run(args) -> int:
             say(f"draft vocabulary: {cfg.draft_vocab_size} of {target.vocab_size} ids, covering {covered:.1%} of "
                 f"the {int(counts.sum())} label tokens ({int((counts > 0).sum())} distinct)")
         if draft_vocab is not None:
-            # every rank computes it for its own reading (cheap next to training; shards are written atomically)
+            # the ranks split the shards (one LM-head pass over every cached token is minutes on a CPU), then each
+            # checks them all (shards are written atomically)
             cache.ensure_target_lse(target.model.get_output_embeddings().weight.detach().float().cpu(),
-                                    progress=not args.no_progress and ctx.is_main)
+                                    progress=not args.no_progress and ctx.is_main, rank=ctx.rank,
+                                    world_size=ctx.world_size, barrier=ctx.barrier)
         drafter = fresh_drafter(target, cfg, draft_vocab)
         if cfg.init_from:
             init_from_checkpoint(drafter, cfg.init_from)

@@ -282,13 +282,25 @@ class TargetCache:
                 self._open.pop(next(iter(self._open)))
         return self._open[si]
 
-    def ensure_target_lse(self, lm_head_weight: torch.Tensor, progress: bool = True, chunk: int = 2048) -> None:
+    def ensure_target_lse(self, lm_head_weight: torch.Tensor, progress: bool = True, chunk: int = 2048,
+                          rank: int = 0, world_size: int = 1, barrier=None) -> None:
         """Compute (once; reused while the LM head is the same) the target's full-vocabulary log-partition at
-        every label position of every shard; from then on items carry `target_lse`."""
+        every label position of every shard; from then on items carry `target_lse`. Several ranks share the work:
+        rank r computes the missing shards r, r + W, ..., `barrier()` waits for all of them, and each rank then
+        computes whatever is still missing (nothing, unless a rank failed)."""
+        if world_size > 1:
+            self._compute_lse(lm_head_weight, progress, chunk, lambda si: si % world_size == rank)
+            if barrier is not None:
+                barrier()
+        self._compute_lse(lm_head_weight, progress, chunk, lambda si: True)
+
+    def _compute_lse(self, lm_head_weight: torch.Tensor, progress: bool, chunk: int, mine) -> None:
         checksum = _head_checksum(lm_head_weight)
         w = lm_head_weight.detach().float()
         todo = []
         for si, shard in enumerate(self.manifest.shards):
+            if not mine(si):
+                continue
             lse = self.path / (shard["file"] + LSE_SUFFIX)
             ok = False
             if lse.is_file():
@@ -368,9 +380,10 @@ class ConcatCache:
         for p in self.parts:
             p.check_compatible(tap_layer_ids, hidden_size, vocab_size)
 
-    def ensure_target_lse(self, lm_head_weight: torch.Tensor, progress: bool = True) -> None:
+    def ensure_target_lse(self, lm_head_weight: torch.Tensor, progress: bool = True, rank: int = 0,
+                          world_size: int = 1, barrier=None) -> None:
         for p in self.parts:
-            p.ensure_target_lse(lm_head_weight, progress)
+            p.ensure_target_lse(lm_head_weight, progress, rank=rank, world_size=world_size, barrier=barrier)
 
     def label_counts(self, vocab_size: int) -> torch.Tensor:
         return sum(p.label_counts(vocab_size) for p in self.parts)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dspark_core.errors import InvalidArgument
 from dspark_core.target import TargetConfig, TargetRuntime
@@ -127,3 +128,32 @@ def test_cache_refuses_a_mismatched_drafter(tiny_target_dir, tmp_path):
         cache.check_compatible((0, 2), 64)
     with pytest.raises(InvalidArgument, match="hidden_size"):
         cache.check_compatible((0, 1), 128)
+
+
+def test_ranks_split_the_target_log_partition_and_each_ends_with_all_of_it(tiny_target_dir, tmp_path):
+    """ensure_target_lse over two ranks: before the barrier each rank has computed only its own shards (r, r + W..);
+    after it every shard's file exists, and the values are what one rank alone computes (the full-vocabulary
+    logsumexp of the final hidden state through the LM head, at the positions predicting a supervised token)."""
+    from dspark_core.training.cache import LSE_SUFFIX
+
+    target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32", tap_layer_ids=(0, 1)))
+    g = torch.Generator().manual_seed(1)
+    samples = [Sample(torch.randint(0, 200, (6,), generator=g).tolist(), torch.randint(0, 200, (9,), generator=g).tolist())
+               for _ in range(8)]
+    build_target_cache(target, samples, tmp_path / "c", dtype="float32", shard_tokens=40, batch_tokens=20,
+                       progress=False)
+    head = target.model.get_output_embeddings().weight.detach().float()
+    cache = TargetCache(tmp_path / "c")
+    files = [tmp_path / "c" / (s["file"] + LSE_SUFFIX) for s in cache.manifest.shards]
+    assert len(files) >= 3
+    seen = []
+    cache.ensure_target_lse(head, progress=False, rank=1, world_size=2,
+                            barrier=lambda: seen.append([f.is_file() for f in files]))
+    assert seen == [[i % 2 == 1 for i in range(len(files))]]  # rank 1's share only, then the barrier
+    assert all(f.is_file() for f in files)
+    for i, s in enumerate(samples):
+        row = cache[i]
+        lab = torch.zeros_like(row["loss_mask"], dtype=torch.bool)
+        lab[:-1] = row["loss_mask"][1:].bool()  # positions that predict a supervised token
+        want = torch.logsumexp(F.linear(row["final_hidden"].float(), head), dim=-1)
+        torch.testing.assert_close(row["target_lse"][lab], want[lab])
