@@ -64,8 +64,9 @@ def main() -> int:
                 prompts.append(pr)
     sized = sorted(((len(encode_prompt(target.tokenizer, pr.text)), pr) for pr in prompts), key=lambda e: e[0])
     chosen = [pr for n, pr in sized if args.min_prompt_tokens < n <= args.max_prompt_tokens][: args.limit]
-    print(f"{len(prompts)} new {'train-split ' if args.split == 'train' else ''}prompts, {len(chosen)} answered ({args.min_prompt_tokens} < prompt "
-          f"tokens <= {args.max_prompt_tokens}), T = {args.temperature}", flush=True)
+    kind = "train-split prompts" if args.split == "train" else "prompts"
+    print(f"{len(prompts)} new {kind}, {len(chosen)} answered ({args.min_prompt_tokens} < prompt tokens <= "
+          f"{args.max_prompt_tokens}), T = {args.temperature}", flush=True)
     t0 = time.time()
     out = Path(args.out)
     samples = distill(target, chosen, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -54,7 +54,6 @@ def _signature(obj) -> str:
 def callables():
     """(module, qualified name, name, signature, first docstring sentence) of every public documented function and
     class of the importable pure modules, sorted."""
-    seen = set()
     for modname in sorted(getattr(sys, "stdlib_module_names", ())):
         if modname.startswith("_") or modname in SKIP:
             continue
@@ -73,11 +72,7 @@ def callables():
             sentence = _first_sentence(doc)
             if len(sentence) < 20 or len(sentence) > 300 or sentence.startswith(name + "("):
                 continue
-            qual = f"{modname}.{name}"
-            if qual in seen:
-                continue
-            seen.add(qual)
-            yield modname, qual, name, _signature(obj), sentence
+            yield modname, f"{modname}.{name}", name, _signature(obj), sentence  # (module, name) is unique
 
 
 def main() -> int:

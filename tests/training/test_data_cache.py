@@ -138,8 +138,10 @@ def test_ranks_split_the_target_log_partition_and_each_ends_with_all_of_it(tiny_
 
     target = TargetRuntime(TargetConfig(str(tiny_target_dir), device="cpu", dtype="float32", tap_layer_ids=(0, 1)))
     g = torch.Generator().manual_seed(1)
-    samples = [Sample(torch.randint(0, 200, (6,), generator=g).tolist(), torch.randint(0, 200, (9,), generator=g).tolist())
-               for _ in range(8)]
+    def rand(n):
+        return torch.randint(0, 200, (n,), generator=g).tolist()
+
+    samples = [Sample(rand(6), rand(9)) for _ in range(8)]
     build_target_cache(target, samples, tmp_path / "c", dtype="float32", shard_tokens=40, batch_tokens=20,
                        progress=False)
     head = target.model.get_output_embeddings().weight.detach().float()
