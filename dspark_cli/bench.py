@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
+from dspark_core.lookup import DEFAULT_LOOKUP_NGRAM, check_ngram
 from dspark_core.scheduling import DRAFT_WINDOW
 
 from .models import models_dir, resolve_drafter_path, resolve_target
@@ -97,6 +98,14 @@ def add_parser(sub) -> None:
                         "the batch probes together), request (each request on its own, carrying its share of "
                         "the pass), or both: causal / async also run in request scope, as <policy>/request-scope, "
                         "interleaved in the same run (draft_gate_batch_vs_request_scope in the JSON)")
+    p.add_argument("--lookup", choices=("on", "off", "both"), default="on",
+                   help="n-gram lookup drafts for greedy requests (what followed the request's longest suffix of "
+                        "at least --lookup-ngram tokens earlier in its prompt + output, verified instead of the "
+                        "drafter's block when expected to accept more): on (default, as in serving), off, or both: "
+                        "every drafted policy also runs without them, as <policy>/no-lookup, interleaved in the "
+                        "same run (lookup_vs_off in the JSON)")
+    p.add_argument("--lookup-ngram", type=int, default=DEFAULT_LOOKUP_NGRAM, metavar="N",
+                   help=f"shortest match of lookup drafts (default {DEFAULT_LOOKUP_NGRAM}, serving's)")
     add_target_arg(p)
     p.add_argument("--drafter", default="auto", choices=DRAFTER_CHOICES,
                    help="shipped drafter (default auto = dspark)")
@@ -146,6 +155,7 @@ def check_args(args):
                             ("--draft-gate", args.draft_gate != "on" and args.draft_gate),
                             ("--slot-correction", args.slot_correction != "off" and args.slot_correction),
                             ("--draft-gate-scope", args.draft_gate_scope != "batch" and args.draft_gate_scope),
+                            ("--lookup", args.lookup == "both" and args.lookup),
                             ("--llamacpp-gguf", args.llamacpp_gguf), ("--hf-assistant", args.hf_assistant)):
             if given:
                 raise InvalidArgument(flag, given, "does not apply with --distributed (the services run the policy "
@@ -162,6 +172,8 @@ def check_args(args):
         raise InvalidArgument("--temperature", args.temperature, "must be >= 0")
     if args.repeats < 1:
         raise InvalidArgument("--repeats", args.repeats, "must be >= 1")
+    if args.lookup_ngram == 0 or check_ngram(args.lookup_ngram, "--lookup-ngram") != args.lookup_ngram:
+        raise InvalidArgument("--lookup-ngram", args.lookup_ngram, "must be the shortest match (--lookup off: none)")
     if args.draft_window < 0:
         raise InvalidArgument("--draft-window", args.draft_window, "must be >= 0 (0: the whole prompt)")
     if args.block_size is not None and not 1 <= args.block_size <= 32:
@@ -181,7 +193,8 @@ def check_args(args):
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          block_size=args.block_size, seed=args.seed, request_history=args.request_history,
                          draft_window=args.draft_window or None, draft_gate=args.draft_gate,
-                         slot_correction=args.slot_correction, draft_gate_scope=args.draft_gate_scope)
+                         slot_correction=args.slot_correction, draft_gate_scope=args.draft_gate_scope,
+                         lookup=args.lookup, lookup_ngram=args.lookup_ngram)
 
 
 def load_prompt_list(args, target) -> tuple[list[list[int]], dict]:
@@ -345,6 +358,7 @@ def run(args) -> int:
         "seed": args.seed, "sps": sps_source, "device": str(target.device), "prompts": source,
         "draft_window": settings.draft_window, "draft_gate": settings.draft_gate,
         "slot_correction": settings.slot_correction, "draft_gate_scope": settings.draft_gate_scope,
+        "lookup": settings.lookup, "lookup_ngram": settings.lookup_ngram,
         "sps_table": ({"batch_sizes": list(sps.batch_sizes), "steps_per_second": [round(v, 3) for v in sps.steps_per_second]}
                       if hasattr(sps, "batch_sizes") else None),
         "hf": hf_config,
@@ -397,7 +411,8 @@ def run_distributed(args, settings) -> int:
     say(f"starting the embedded and the distributed deployment ({len(prompts)} prompts, policy {policy})")
     result = run_distributed_bench(target_dir, drafter_path, prompts, policy, list(settings.concurrencies),
                                    settings.repeats, settings.max_new_tokens, settings.temperature, settings.seed,
-                                   settings.block_size, progress=say, draft_window=settings.draft_window)
+                                   settings.block_size, progress=say, draft_window=settings.draft_window,
+                                   lookup_ngram=settings.lookup_ngram if settings.lookup == "on" else 0)
     import os
 
     result["config"] = {
@@ -405,6 +420,7 @@ def run_distributed(args, settings) -> int:
         "concurrency": list(settings.concurrencies), "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature, "repeats": settings.repeats, "seed": settings.seed, "prompts": source,
         "draft_window": settings.draft_window, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "lookup_ngram": settings.lookup_ngram if settings.lookup == "on" else 0,
         "cpus": os.cpu_count(),
         "protocol": ("both deployments up at once on loopback; per repeat and concurrency, embedded then "
                      "distributed, closed loop over gRPC GenerateUnary with max(prompts, 2 x concurrency) requests; "

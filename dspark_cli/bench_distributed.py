@@ -31,6 +31,7 @@ from pathlib import Path
 
 from dspark_core.errors import InvalidArgument
 from dspark_core.scheduling import DRAFT_WINDOW
+from dspark_core.lookup import DEFAULT_LOOKUP_NGRAM
 
 
 def free_port() -> int:
@@ -84,12 +85,14 @@ class Cluster:
     """Starts the embedded and the distributed deployment; `stop()` ends every process it started."""
 
     def __init__(self, target_dir: str, drafter_dir: str | None, policy: str, block_size: int | None,
-                 log_dir: Path, env: dict | None = None, draft_window: int | None = DRAFT_WINDOW):
+                 log_dir: Path, env: dict | None = None, draft_window: int | None = DRAFT_WINDOW,
+                 lookup_ngram: int = DEFAULT_LOOKUP_NGRAM):
         """`env`: the processes' environment (default this one's), e.g. another PYTHONPATH for an A/B run.
         `draft_window`: the schedulers' --draft-window (None: the whole prompt); passed only when not the
         default, so that an A/B run against an older checkout starts."""
         self.target_dir, self.drafter_dir, self.policy, self.block_size = target_dir, drafter_dir, policy, block_size
         self.draft_window = draft_window
+        self.lookup_ngram = lookup_ngram  # the schedulers' --lookup-ngram (passed only when not the default)
         self.env = env
         self.log_dir = log_dir
         self.deployments: list[Deployment] = []
@@ -111,6 +114,8 @@ class Cluster:
             out += ["--block-size", str(self.block_size)]
         if self.draft_window != DRAFT_WINDOW:
             out += ["--draft-window", str(self.draft_window or 0)]
+        if self.lookup_ngram != DEFAULT_LOOKUP_NGRAM:
+            out += ["--lookup-ngram", str(self.lookup_ngram)]
         return out
 
     def start_embedded(self) -> Deployment:
@@ -218,10 +223,12 @@ def _median(xs):
 def run_distributed_bench(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], policy: str,
                           concurrencies: list[int], repeats: int, max_new_tokens: int, temperature: float,
                           seed: int, block_size: int | None, progress=None,
-                          draft_window: int | None = DRAFT_WINDOW) -> dict:
+                          draft_window: int | None = DRAFT_WINDOW, lookup_ngram: int = DEFAULT_LOOKUP_NGRAM
+                          ) -> dict:
     """Embedded vs distributed over real processes; see the module doc. Returns the JSON-ready result."""
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-dist-"))
-    cluster = Cluster(target_dir, drafter_dir, policy, block_size, log_dir, draft_window=draft_window)
+    cluster = Cluster(target_dir, drafter_dir, policy, block_size, log_dir, draft_window=draft_window,
+                      lookup_ngram=lookup_ngram)
     try:
         deps = [cluster.start_embedded(), cluster.start_distributed()]
         for dep in deps:

@@ -34,6 +34,10 @@ def add_parser(sub) -> None:
     add_drafter_args(p)
     add_policy_arg(p)
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--lookup-ngram", type=int, default=0, metavar="N",
+                   help="greedy: verify an n-gram lookup draft (what followed the longest suffix of at least N "
+                        "tokens earlier in prompt + output) instead of the drafter's block when it is expected to "
+                        "accept more; the output is unchanged (default 0 = off: DeepSpec's rounds)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     add_device_args(p)
     add_matmul_dtype_arg(p)
@@ -83,12 +87,14 @@ def sampling_params(args, stop_token_ids=()):
 
 def run(args) -> int:
     from dspark_core.engine import Engine, EngineConfig
+    from dspark_core.lookup import check_ngram
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise InvalidArgument("prompt", args.prompt, "give exactly one of PROMPT or --prompt-ids")
     if args.prompt is not None and not args.prompt.strip():
         raise InvalidArgument("prompt", args.prompt, "must not be empty")
     params = sampling_params(args)  # validate before loading anything
+    check_ngram(args.lookup_ngram, "--lookup-ngram")
     _quiet_transformers()
     target_dir = resolve_target(args.target)
     target, drafter = load_stack(target_dir, resolve_drafter_path(args.drafter, args.drafter_path, target_dir),
@@ -106,7 +112,9 @@ def run(args) -> int:
     # DeepSpec's round protocol (the drafter over the whole prompt), so that released checkpoints reproduce their
     # reference traces round by round
     engine = Engine(target, drafter, EngineConfig(policy=policy, block_size=args.block_size, deepspec_rounds=True,
-                                                  draft_window=None), sps=sps)
+                                                  draft_window=None,
+                                                  lookup_ngram=args.lookup_ngram if drafter is not None else 0),
+                    sps=sps)
     streamer = None
     if not args.json and target.tokenizer is not None:
         streamer = TextStreamer(target.tokenizer)

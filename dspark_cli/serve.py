@@ -88,5 +88,6 @@ def _run_all(args) -> int:
         http_port=int(args.http_port) if args.http_port is not None else None, scheduler_id=args.id,
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
         draft_window=args.draft_window or None, record_rounds=args.record_rounds, tls_dir=args.tls_dir,
+        lookup_ngram=args.lookup_ngram,
         api_keys=flags.api_keys(args), **flags.redis_auth())
     return flags.run_app(lambda: SchedulerApp(cfg))

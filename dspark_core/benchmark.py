@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .errors import InvalidArgument
+from .lookup import DEFAULT_LOOKUP_NGRAM, check_ngram
 from .scheduling import DRAFT_WINDOW
 from .scheduling import POLICIES as _REGISTRY
 
@@ -74,6 +75,11 @@ class BenchSettings:
     # what the draft gate decides for (EngineConfig.draft_gate_scope): "batch", "request", or "both" (each
     # cost-reading policy runs in batch scope, and also in request scope as "<policy>/request-scope", interleaved)
     draft_gate_scope: str = "batch"
+    # n-gram lookup drafts for greedy requests (EngineConfig.lookup_ngram: `lookup_ngram` is the shortest match):
+    # "on" (as in serving), "off", or "both" (each drafted policy also runs without them, as "<policy>/no-lookup",
+    # interleaved in the same run)
+    lookup: str = "on"
+    lookup_ngram: int = DEFAULT_LOOKUP_NGRAM
 
     def __post_init__(self):
         if not self.policies:
@@ -91,6 +97,11 @@ class BenchSettings:
             raise InvalidArgument("draft_gate", self.draft_gate, "must be 'on', 'off' or 'both'")
         if self.slot_correction not in ("on", "off", "both"):
             raise InvalidArgument("slot_correction", self.slot_correction, "must be 'on', 'off' or 'both'")
+        if self.lookup not in ("on", "off", "both"):
+            raise InvalidArgument("lookup", self.lookup, "must be 'on', 'off' or 'both'")
+        check_ngram(self.lookup_ngram)
+        if self.lookup_ngram == 0:
+            raise InvalidArgument("lookup_ngram", 0, "must be the lookup's match length (use lookup='off' for none)")
         if self.draft_gate_scope not in ("batch", "request", "both"):
             raise InvalidArgument("draft_gate_scope", self.draft_gate_scope, "must be 'batch', 'request' or 'both'")
         if self.max_new_tokens < 1:
@@ -265,6 +276,7 @@ NO_HISTORY = "/no-history"  # a policy run without the request-history recalibra
 NO_GATE = "/no-gate"  # a policy run without the draft gate (BenchSettings.draft_gate)
 NO_CORRECTION = "/no-correction"  # a policy run without the online slot correction (BenchSettings.slot_correction)
 REQUEST_SCOPE = "/request-scope"  # a policy whose draft gate decides per request (BenchSettings.draft_gate_scope)
+NO_LOOKUP = "/no-lookup"  # a policy run without n-gram lookup drafts (BenchSettings.lookup)
 
 
 def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchSettings, sps):
@@ -274,6 +286,9 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
     gate = settings.draft_gate != "off"
     correction = settings.slot_correction != "off"
     scope = "request" if settings.draft_gate_scope == "request" else "batch"
+    lookup = settings.lookup != "off"
+    if policy.endswith(NO_LOOKUP):
+        policy, lookup = policy[:-len(NO_LOOKUP)], False
     if policy.endswith(NO_HISTORY):
         policy, history = policy[:-len(NO_HISTORY)], False
     elif policy.endswith(NO_GATE):
@@ -295,7 +310,8 @@ def make_engine(target, drafter, policy: str, concurrency: int, settings: BenchS
                                                 online_sps=online, isolate_seeded=False,
                                                 request_history=history, draft_window=settings.draft_window,
                                                 gate_drafts=gate, slot_correction=correction,
-                                                draft_gate_scope=scope),
+                                                draft_gate_scope=scope,
+                                                lookup_ngram=settings.lookup_ngram if lookup and drafter else 0),
                   sps=sps if policy in SPS_POLICIES else None)
 
 
@@ -384,7 +400,8 @@ def with_variants(settings: BenchSettings, policies: Sequence[str]) -> list[str]
     """`policies`, plus "<policy>/no-history" for each confidence policy when `settings.request_history` is
     "both", "<policy>/no-gate" for each cost-reading policy (the gate's) when `settings.draft_gate` is, and
     "<policy>/no-correction" for each confidence policy when `settings.slot_correction` is, and
-    "<policy>/request-scope" for each cost-reading policy when `settings.draft_gate_scope` is."""
+    "<policy>/request-scope" for each cost-reading policy when `settings.draft_gate_scope` is,
+    and "<policy>/no-lookup" for each drafted policy when `settings.lookup` is."""
     out = list(policies)
     if settings.request_history == "both":
         out += [p + NO_HISTORY for p in policies if p in CONFIDENCE_POLICIES]
@@ -394,6 +411,8 @@ def with_variants(settings: BenchSettings, policies: Sequence[str]) -> list[str]
         out += [p + NO_CORRECTION for p in policies if p in CONFIDENCE_POLICIES]
     if settings.draft_gate_scope == "both":
         out += [p + REQUEST_SCOPE for p in policies if p in SPS_POLICIES]
+    if settings.lookup == "both":
+        out += [p + NO_LOOKUP for p in policies if p != "ar"]
     return out
 
 
@@ -592,6 +611,8 @@ def run_benchmark(target, drafter, prompts: Sequence[Sequence[int]], settings: B
         out["slot_correction_vs_off"] = vs_variant(NO_CORRECTION)
     if settings.draft_gate_scope == "both":
         out["draft_gate_batch_vs_request_scope"] = vs_variant(REQUEST_SCOPE)
+    if settings.lookup == "both":
+        out["lookup_vs_off"] = vs_variant(NO_LOOKUP)
     if hf_modes:
         out["hf"] = {m: round(_rate([r for _, _, r in batch1[f"hf_{m}"]]), 3) for m in hf_modes}
         out["hf_per_request_median"] = {m: round(statistics.median(r.tokens_per_s for _, _, r in batch1[f"hf_{m}"]), 3)

@@ -48,6 +48,11 @@ SPEC_CONFIDENCE_OFFSET = Gauge("dspark_spec_decode_confidence_offset",
                                ["drafter", "kind", "position"])
 SPEC_SKIPPED = Counter("dspark_spec_decode_skipped_rounds",
                        "Request-rounds decoded without drafting because the drafter collapsed", ["drafter"])
+SPEC_LOOKUP_ROUNDS = Counter("dspark_spec_decode_lookup_rounds",
+                             "Greedy request-rounds that verified an n-gram lookup draft instead of the drafter's block",
+                             ["drafter"])
+SPEC_LOOKUP_ACCEPTED = Counter("dspark_spec_decode_lookup_accepted_tokens",
+                               "Draft tokens accepted in rounds that verified an n-gram lookup draft", ["drafter"])
 REQUIRED_REPLICAS = Gauge("dspark_autoscale_required_replicas",
                           "Replicas needed to hold --target-user-tps per user at the current load, per pool", ["pool"])
 PREDICTED_USER_TPS = Gauge("dspark_autoscale_predicted_user_tokens_per_second",

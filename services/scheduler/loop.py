@@ -126,7 +126,7 @@ class EngineLoop:
         self.record_rounds = record_rounds  # JSON-lines file every verified round is appended to
         self._rounds_buffer: list = []
         self.target_user_tps = target_user_tps
-        self._counted = {"fallback": 0, "skipped": 0}
+        self._counted = {"fallback": 0, "skipped": 0, "lookup": 0, "lookup_accepted": 0}
         self._objective_feasible = True
         self._forecast = None  # DemandForecast of the users, with --target-user-tps
         self.pod_start_s = 30.0  # seconds a new pod takes to serve (the forecast's horizon beyond the window)
@@ -411,7 +411,9 @@ class EngineLoop:
                 metrics.SPEC_COLLAPSES.labels(drafter=name).inc()
         eng.events.clear()
         for key, total, counter in (("fallback", eng.num_fallback_steps, metrics.SPEC_FALLBACK_STEPS),
-                                    ("skipped", eng.num_skipped_drafts, metrics.SPEC_SKIPPED)):
+                                    ("skipped", eng.num_skipped_drafts, metrics.SPEC_SKIPPED),
+                                    ("lookup", eng.num_lookup_rounds, metrics.SPEC_LOOKUP_ROUNDS),
+                                    ("lookup_accepted", eng.num_lookup_accepted, metrics.SPEC_LOOKUP_ACCEPTED)):
             if total > self._counted[key]:
                 counter.labels(drafter=name).inc(total - self._counted[key])
                 self._counted[key] = total

@@ -11,6 +11,7 @@ def _addresses(text: str | None) -> tuple[str, ...]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from dspark_core.lookup import DEFAULT_LOOKUP_NGRAM
     from dspark_core.scheduling import DRAFT_WINDOW
 
     from ..common import flags
@@ -50,6 +51,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a request's drafter context begins at most this many positions before its first anchor "
                         "(only those prompt positions' features are computed into replies and sent); 0 = the "
                         f"whole prompt (default {DRAFT_WINDOW})")
+    p.add_argument("--lookup-ngram", type=int, default=int(flags.env("LOOKUP_NGRAM", DEFAULT_LOOKUP_NGRAM)),
+                   metavar="N",
+                   help="greedy requests verify an n-gram lookup draft (what followed their longest suffix of at "
+                        "least N tokens, up to 8, earlier in prompt + output) instead of the drafter's block when it "
+                        f"is expected to accept more; outputs are unchanged. 0 = off (default {DEFAULT_LOOKUP_NGRAM})")
     p.add_argument("--record-rounds", default=flags.env("RECORD_ROUNDS"), metavar="PATH",
                    help="append every verified round here (JSON lines) for `dspark calibrate --online`")
 
@@ -127,7 +133,7 @@ def run(args) -> int:
         startup_wait_s=args.startup_wait, autoscale_pools=pools, served_model_name=args.served_model_name,
         namespace=os.environ.get("POD_NAMESPACE", "default"),
         calibration_bound=args.calibration_bound or None, collapse_ratio=args.collapse_ratio or None,
-        draft_window=args.draft_window or None, record_rounds=args.record_rounds,
+        draft_window=args.draft_window or None, record_rounds=args.record_rounds, lookup_ngram=args.lookup_ngram,
         slot_correction=args.slot_correction == "on", draft_gate_scope=args.draft_gate_scope,
         target_user_tps=float(args.target_user_tps) if args.target_user_tps is not None else None,
         verifier_grace_s=args.verifier_grace, tls_dir=args.tls_dir, api_keys=flags.api_keys(args),

@@ -16,6 +16,7 @@ from pathlib import Path
 from dspark_core.cost_model import SpsTable, table_from_points
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.errors import InvalidArgument
+from dspark_core.lookup import DEFAULT_LOOKUP_NGRAM
 from dspark_core.scheduling import DRAFT_WINDOW, policy_spec
 from dspark_protos.dspark.v1 import (drafter_service_pb2_grpc, scheduler_service_pb2, scheduler_service_pb2_grpc,
                                      verifier_service_pb2_grpc)
@@ -90,6 +91,8 @@ class SchedulerConfig:
     # the engine's online slot correction (EngineConfig.slot_correction): per position, the workload's level of
     # the confidences learned from verified rounds
     slot_correction: bool = False
+    # n-gram lookup drafts for greedy requests (EngineConfig.lookup_ngram: the shortest match; 0 = off)
+    lookup_ngram: int = DEFAULT_LOOKUP_NGRAM
     # what the draft gate decides for (EngineConfig.draft_gate_scope): "batch" or "request"
     draft_gate_scope: str = "batch"
     # a request's drafter context begins at most this many positions before its first anchor
@@ -115,7 +118,8 @@ class SchedulerConfig:
         EngineConfig(policy=self.policy, block_size=self.block_size, max_active=self.max_active,
                      max_waiting=self.max_waiting, calibration_bound=self.calibration_bound,
                      collapse_ratio=self.collapse_ratio, draft_window=self.draft_window,
-                     slot_correction=self.slot_correction, draft_gate_scope=self.draft_gate_scope)  # validates
+                     slot_correction=self.slot_correction, draft_gate_scope=self.draft_gate_scope,
+                     lookup_ngram=self.lookup_ngram)  # validates
         if self.target_user_tps is not None and not self.target_user_tps > 0:
             raise InvalidArgument("target_user_tps", self.target_user_tps, "must be > 0 tokens per second")
         if not self.verifier_grace_s >= 0:
@@ -175,7 +179,7 @@ class SchedulerApp(ServingApp):
                             max_waiting=c.max_waiting, calibration_bound=c.calibration_bound,
                             collapse_ratio=c.collapse_ratio, online_sps=online_sps and has_sps,
                             draft_window=c.draft_window, slot_correction=c.slot_correction,
-                            draft_gate_scope=c.draft_gate_scope)
+                            draft_gate_scope=c.draft_gate_scope, lookup_ngram=c.lookup_ngram if has_drafter else 0)
 
     def _build_embedded(self) -> _Stack:
         from dspark_core.sampling import SamplingParams

@@ -28,9 +28,10 @@ SERVE: dict[str, ServeFlags] = {
         # --slot-correction: the online slot correction (EngineConfig.slot_correction)
         # --draft-gate-scope: what the draft gate decides for (EngineConfig.draft_gate_scope)
         # --max-requests-per-client: one client's share of the scheduler (Frontend.hold)
+        # --lookup-ngram: n-gram lookup drafts for greedy requests (EngineConfig.lookup_ngram)
         optional=frozenset({"--policy", "--target", "--served-model-name", "--calibration-bound", "--collapse-ratio",
                             "--target-user-tps", "--draft-window", "--slot-correction",
-                            "--draft-gate-scope", "--max-requests-per-client"}),
+                            "--draft-gate-scope", "--lookup-ngram", "--max-requests-per-client"}),
         switches=frozenset({"--autoscale"}),
     ),
     "verifier": ServeFlags(

@@ -18,7 +18,7 @@ SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())
 COMPONENTS = ("scheduler", "verifier", "drafter")
 # Keys that only make sense for one component; everything else is common to the three blocks.
 OWN_KEYS = {"scheduler": {"policy", "autoscaler", "servedModelName", "calibrationBound", "collapseRatio",
-                          "draftWindow", "slotCorrection", "draftGateScope", "maxRequestsPerClient"},
+                          "draftWindow", "slotCorrection", "draftGateScope", "lookupNgram", "maxRequestsPerClient"},
             "verifier": {"device", "dtype", "weights", "kvCacheGb", "idleTtlSeconds", "spsProfileSeconds"},
             "drafter": {"device", "dtype", "matmulDtype", "besideVerifier"}}
 

@@ -121,9 +121,10 @@ def test_auto_sends_the_features_in_the_precision_the_drafter_was_trained_on(aio
     finally:
         cluster.stop(aio, s, dr, v)
     assert list(out.token_ids) == want
-    # the embedded engine on float32 features, the same drafter: the same number of rounds for the same tokens
+    # the embedded engine on float32 features, the same drafter (and the scheduler's lookup drafts): the same number
+    # of rounds for the same tokens
     target, drafter = load_stack(str(t), str(d), device="cpu", dtype="float32")
-    engine = Engine(target, drafter, EngineConfig(policy="fixed"))
+    engine = Engine(target, drafter, EngineConfig(policy="fixed", lookup_ngram=s.config.lookup_ngram))
     rid = engine.add_request(list(prompt), SamplingParams(temperature=0.0, max_new_tokens=len(want)))
     req = engine.requests[rid]
     while not req.finished:

@@ -115,3 +115,32 @@ def test_verifier_publishes_its_live_cost_table_and_the_scheduler_adopts_it(aio,
     finally:
         reg.close()
         cluster.stop(aio, s, v)
+
+
+def test_scheduler_serves_lookup_drafts_losslessly_and_counts_them(aio, fixtures_dir, reference, tmp_path):
+    """The scheduler's lookup drafts (on by default): greedy outputs over a real socket stay the target's own; a
+    prompt that repeats itself gets lookup rounds, exported as counters; --lookup-ngram 0 turns them off."""
+    target = _target_with_sps(fixtures_dir, tmp_path)
+    drafter = tmp_path / "dspark"
+    shutil.copytree(fixtures_dir / "dspark", drafter)
+    prompt, greedy = reference[0]
+    seen = {}
+    for ngram in (3, 0):
+        s = cluster.scheduler(aio, embedded_target=str(target), embedded_drafter=str(drafter), policy="fixed",
+                              **({} if ngram else {"lookup_ngram": 0}))
+        try:
+            assert s.engine.config.lookup_ngram == ngram
+            stub, ch = cluster.scheduler_stub(s)
+            resp = stub.GenerateUnary(cluster.ids_request(prompt, 64), timeout=120)
+            assert list(resp.token_ids) == greedy[:len(resp.token_ids)]
+            # the prompt followed by its own greedy answer, twice: the answer's n-grams recur
+            loop = list(prompt) + list(greedy) + list(prompt) + list(greedy)
+            first = list(stub.GenerateUnary(cluster.ids_request(loop, 32), timeout=120).token_ids)
+            seen[ngram] = (first, s.engine.num_lookup_rounds, s.engine.num_lookup_accepted)
+            ch.close()
+        finally:
+            cluster.stop(aio, s)
+    assert seen[3][0] == seen[0][0]  # the same greedy tokens with and without lookup drafts
+    assert seen[0][1] == 0 and seen[3][1] > 0 and seen[3][2] > 0
+    text = metrics.render().decode()
+    assert f'dspark_spec_decode_lookup_rounds_total{{drafter="{drafter.name}"}}' in text
