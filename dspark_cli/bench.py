@@ -99,9 +99,9 @@ def add_parser(sub) -> None:
                         "the pass), or both: causal / async also run in request scope, as <policy>/request-scope, "
                         "interleaved in the same run (draft_gate_batch_vs_request_scope in the JSON)")
     p.add_argument("--lookup", choices=("on", "off", "both"), default="on",
-                   help="n-gram lookup drafts for greedy requests (what followed the request's longest suffix of "
-                        "at least --lookup-ngram tokens earlier in its prompt + output, verified instead of the "
-                        "drafter's block when expected to accept more): on (default, as in serving), off, or both: "
+                   help="n-gram lookup drafts (what followed the request's longest suffix of at least "
+                        "--lookup-ngram tokens earlier in its prompt + output, verified instead of the drafter's "
+                        "block when expected to accept more): on (default, as in serving), off, or both: "
                         "every drafted policy also runs without them, as <policy>/no-lookup, interleaved in the "
                         "same run (lookup_vs_off in the JSON)")
     p.add_argument("--lookup-ngram", type=int, default=DEFAULT_LOOKUP_NGRAM, metavar="N",

@@ -35,9 +35,10 @@ def add_parser(sub) -> None:
     add_policy_arg(p)
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--lookup-ngram", type=int, default=0, metavar="N",
-                   help="greedy: verify an n-gram lookup draft (what followed the longest suffix of at least N "
-                        "tokens earlier in prompt + output) instead of the drafter's block when it is expected to "
-                        "accept more; the output is unchanged (default 0 = off: DeepSpec's rounds)")
+                   help="verify an n-gram lookup draft (what followed the longest suffix of at least N tokens "
+                        "earlier in prompt + output) instead of the drafter's block when it is expected to accept "
+                        "more; the output is unchanged (sampled: in distribution; default 0 = off: DeepSpec's "
+                        "rounds)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     add_device_args(p)
     add_matmul_dtype_arg(p)

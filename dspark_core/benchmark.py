@@ -75,7 +75,7 @@ class BenchSettings:
     # what the draft gate decides for (EngineConfig.draft_gate_scope): "batch", "request", or "both" (each
     # cost-reading policy runs in batch scope, and also in request scope as "<policy>/request-scope", interleaved)
     draft_gate_scope: str = "batch"
-    # n-gram lookup drafts for greedy requests (EngineConfig.lookup_ngram: `lookup_ngram` is the shortest match):
+    # n-gram lookup drafts (EngineConfig.lookup_ngram: `lookup_ngram` is the shortest match):
     # "on" (as in serving), "off", or "both" (each drafted policy also runs without them, as "<policy>/no-lookup",
     # interleaved in the same run)
     lookup: str = "on"

@@ -136,12 +136,13 @@ class EngineConfig:
     # request's first drafting pass (and, in distributed serving, its prefill reply) no longer grows with its
     # prompt: what a probe of a gated request costs at high concurrency.
     draft_window: int | None = scheduling.DRAFT_WINDOW
-    # n-gram lookup drafts for greedy requests (dspark_core.lookup): when a request's last `lookup_ngram` tokens
-    # occurred earlier in its prompt + output, the tokens that followed them there are verified instead of the
-    # drafter's block, priced for the policy at lookup.LOOKUP_ACCEPTANCE. Greedy verification decides every token
-    # as before, so outputs are unchanged; only rounds' accepted counts move. 0 = off. Sampled requests always
-    # verify the drafter's block (a one-point draft distribution would be accepted only with the target's own
-    # probability of that token).
+    # n-gram lookup drafts (dspark_core.lookup): when a request's longest suffix of at least `lookup_ngram` tokens
+    # occurred earlier in its prompt + output, the tokens that followed it there are verified instead of the
+    # drafter's block where the measured lookup table (lookup.LOOKUP_ACCEPTANCE, greedy; _SAMPLED otherwise) expects
+    # them to accept more than the drafter's calibrated confidences do. Verification decides every token as before
+    # (greedy: the argmax; sampled: speculative sampling against a one-point draft distribution, exact), so outputs
+    # are unchanged in greedy and in distribution when sampled; only rounds' accepted counts move. 0 = off. Not
+    # for sampled requests with their own processing (see Engine._lookup_draft).
     lookup_ngram: int = 0
 
     def __post_init__(self):
@@ -868,7 +869,7 @@ class Engine:
         for i, (r, (d, n)) in enumerate(zip(reqs, found)):
             if not d:
                 continue
-            c = acceptance(n, len(d))
+            c = acceptance(n, len(d), r.params.greedy)
             # the draft expected to accept more (both priced by calibrated confidences, read before verification;
             # measured on SmolLM2 greedy code at batch 1, this beat also requiring the two drafts' first tokens to
             # agree: +4.4% / +2.9% (fixed / causal) against +1.4% / +0.8%)
@@ -903,7 +904,7 @@ class Engine:
         for r, p, l, d in zip(reqs, proposals, lengths, lookups):
             # the verify block must fit in the context window: anchor + l drafts
             l = max(0, min(l, gamma, self.target.max_context - r.anchor_pos - 1))
-            if d:  # a greedy request's lookup draft: verified as it is (greedy verification needs no support)
+            if d:  # a lookup draft: verified as it is (see _lookup_block)
                 blocks.append(self._lookup_block(r, d, l))
                 continue
             block = DraftBlock(
@@ -932,12 +933,19 @@ class Engine:
             return []
         r.slot1_confidence = None
         r.lookup_round = True
-        return acceptance(n, len(draft))
+        return acceptance(n, len(draft), r.params.greedy)
 
     def _lookup_block(self, r: RequestState, draft: list[int], length: int) -> DraftBlock:
-        """A lookup draft cut to the policy's length and the context window (greedy: no support)."""
+        """A lookup draft cut to the policy's length and the context window. Greedy: no support. Sampled: each
+        token drawn from a one-point distribution, so speculative sampling accepts it with the target's own
+        probability of it and otherwise draws from the target without it (exact); a seeded request's coupled
+        verification reads the tokens alone."""
         length = max(0, min(length, len(draft), self.target.max_context - r.anchor_pos - 1))
-        return DraftBlock(tokens=tuple(draft[:length]))
+        tokens = tuple(draft[:length])
+        if r.params.greedy or not tokens:
+            return DraftBlock(tokens=tokens)
+        return DraftBlock(tokens=tokens, support_ids=torch.tensor([[t] for t in tokens], dtype=torch.long),
+                          support_probs=torch.ones(len(tokens), 1))
 
     def _lookup_only(self, reqs: list[RequestState], drafts: list[DraftBlock], confs
                      ) -> tuple[list[DraftBlock], list[list[float]] | None]:
@@ -953,9 +961,10 @@ class Engine:
         return [self._lookup_block(r, d, l) for r, (d, _), l in zip(reqs, found, lengths)], look_confs
 
     def _lookup_draft(self, r: RequestState, k: int) -> tuple[list[int], int]:
-        """An n-gram lookup draft of `k` tokens for greedy `r` and its match length (EngineConfig.lookup_ngram),
-        or ([], 0)."""
-        if not r.params.greedy:
+        """An n-gram lookup draft of `k` tokens for `r` and its match length (EngineConfig.lookup_ngram), or
+        ([], 0). Not for a sampled request with its own processing (penalties, min_tokens, min-p): its drafts are
+        re-drawn from the processed draft distribution, which a one-point one may not survive."""
+        if r.params.processed and not r.params.greedy:
             return [], 0
         idx = r.lookup
         if idx is None:

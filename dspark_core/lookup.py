@@ -3,9 +3,10 @@
 A greedy request's output often repeats its prompt or itself: code copies identifiers and whole lines, lists
 repeat their scaffolding, and a small target like SmolLM2-135M loops. When the last `n` tokens of a request
 occurred earlier in its prompt + output, the tokens that followed them there are a draft that costs nothing to
-make and is often right. The engine (EngineConfig.lookup_ngram) verifies that draft instead of the drafter's
-for greedy requests: verification decides every token as before (a greedy draft is accepted only where it is
-the target's argmax), so the output is unchanged; only how many tokens a round accepts moves.
+make and is often right. The engine (EngineConfig.lookup_ngram) verifies that draft instead of the drafter's:
+verification decides every token as before (greedy: a draft is accepted only where it is the target's argmax;
+sampled: speculative sampling against a one-point draft distribution), so the output is unchanged (in
+distribution, sampled); only how many tokens a round accepts moves.
 
 The draft comes from the longest suffix (MIN_NGRAM..MAX_NGRAM tokens) that occurred before, and the longer the
 match, the likelier the draft: the policies price it by LOOKUP_ACCEPTANCE, the conditional acceptance per
@@ -32,6 +33,19 @@ LOOKUP_ACCEPTANCE: dict[int, tuple[float, ...]] = {
     7: (0.628, 0.770, 0.823, 0.901, 0.899, 0.908, 0.921),  # 304
     8: (0.927, 0.916, 0.925, 0.931, 0.943, 0.946, 0.954),  # 12,547
 }
+# the same for sampled requests, measured on SmolLM2's T = 1 answers (the seven `smollm2-t1*.jsonl` files of
+# data/distill but -f: 5,872 answers, 36,865 lookup rounds). A draft token matching a sampled answer has, in
+# expectation, the probability of being accepted against a one-point draft distribution (the target's own
+# probability of it), so the replay measures what speculative sampling will accept. Used for every temperature
+# > 0 (lower temperatures accept more: the table under-promises there).
+LOOKUP_ACCEPTANCE_SAMPLED: dict[int, tuple[float, ...]] = {
+    3: (0.505, 0.568, 0.635, 0.670, 0.714, 0.738, 0.793),  # 32,400 rounds
+    4: (0.477, 0.611, 0.710, 0.632, 0.749, 0.836, 0.735),  # 1,433
+    5: (0.530, 0.640, 0.731, 0.689, 0.714, 0.883, 0.774),  # 492
+    6: (0.593, 0.654, 0.755, 0.779, 0.883, 0.792, 0.857),  # 263
+    7: (0.541, 0.738, 0.746, 0.682, 0.767, 0.826, 0.789),  # 148
+    8: (0.804, 0.822, 0.824, 0.860, 0.849, 0.854, 0.880),  # 2,129
+}
 MIN_NGRAM, MAX_NGRAM = 3, 8
 # serving's default shortest match (dspark serve --lookup-ngram; 0 = off)
 DEFAULT_LOOKUP_NGRAM = 3
@@ -44,9 +58,10 @@ def check_ngram(n: int, name: str = "lookup_ngram") -> int:
     return n
 
 
-def acceptance(n: int, length: int) -> list[float]:
-    """The conditional acceptance of a lookup draft of `length` tokens whose longest match was `n` tokens."""
-    table = LOOKUP_ACCEPTANCE[min(max(n, MIN_NGRAM), MAX_NGRAM)]
+def acceptance(n: int, length: int, greedy: bool = True) -> list[float]:
+    """The conditional acceptance of a lookup draft of `length` tokens whose longest match was `n` tokens, for a
+    greedy request or (`greedy=False`) a sampled one."""
+    table = (LOOKUP_ACCEPTANCE if greedy else LOOKUP_ACCEPTANCE_SAMPLED)[min(max(n, MIN_NGRAM), MAX_NGRAM)]
     return [table[min(i, len(table) - 1)] for i in range(length)]
 
 

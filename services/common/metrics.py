@@ -49,7 +49,7 @@ SPEC_CONFIDENCE_OFFSET = Gauge("dspark_spec_decode_confidence_offset",
 SPEC_SKIPPED = Counter("dspark_spec_decode_skipped_rounds",
                        "Request-rounds decoded without drafting because the drafter collapsed", ["drafter"])
 SPEC_LOOKUP_ROUNDS = Counter("dspark_spec_decode_lookup_rounds",
-                             "Greedy request-rounds that verified an n-gram lookup draft instead of the drafter's block",
+                             "Request-rounds that verified an n-gram lookup draft instead of the drafter's block",
                              ["drafter"])
 SPEC_LOOKUP_ACCEPTED = Counter("dspark_spec_decode_lookup_accepted_tokens",
                                "Draft tokens accepted in rounds that verified an n-gram lookup draft", ["drafter"])

@@ -53,9 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"whole prompt (default {DRAFT_WINDOW})")
     p.add_argument("--lookup-ngram", type=int, default=int(flags.env("LOOKUP_NGRAM", DEFAULT_LOOKUP_NGRAM)),
                    metavar="N",
-                   help="greedy requests verify an n-gram lookup draft (what followed their longest suffix of at "
-                        "least N tokens, up to 8, earlier in prompt + output) instead of the drafter's block when it "
-                        f"is expected to accept more; outputs are unchanged. 0 = off (default {DEFAULT_LOOKUP_NGRAM})")
+                   help="requests verify an n-gram lookup draft (what followed their longest suffix of at least N "
+                        "tokens, up to 8, earlier in prompt + output) instead of the drafter's block when it is "
+                        "expected to accept more; outputs are unchanged (sampled: in distribution). 0 = off "
+                        f"(default {DEFAULT_LOOKUP_NGRAM})")
     p.add_argument("--record-rounds", default=flags.env("RECORD_ROUNDS"), metavar="PATH",
                    help="append every verified round here (JSON lines) for `dspark calibrate --online`")
 

@@ -91,7 +91,7 @@ class SchedulerConfig:
     # the engine's online slot correction (EngineConfig.slot_correction): per position, the workload's level of
     # the confidences learned from verified rounds
     slot_correction: bool = False
-    # n-gram lookup drafts for greedy requests (EngineConfig.lookup_ngram: the shortest match; 0 = off)
+    # n-gram lookup drafts (EngineConfig.lookup_ngram: the shortest match; 0 = off)
     lookup_ngram: int = DEFAULT_LOOKUP_NGRAM
     # what the draft gate decides for (EngineConfig.draft_gate_scope): "batch" or "request"
     draft_gate_scope: str = "batch"

@@ -1,7 +1,9 @@
-"""N-gram lookup drafts (EngineConfig.lookup_ngram): the index, the choice against the drafter's block, and greedy
-outputs unchanged through the engine on a real (tiny) target."""
+"""N-gram lookup drafts (EngineConfig.lookup_ngram): the index, the choice against the drafter's block, greedy
+outputs unchanged through the engine on a real (tiny) target, sampled ones distributed as the target's."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -165,8 +167,53 @@ def test_a_drafter_expected_to_accept_more_keeps_its_block(target, expected):
     assert engine.num_lookup_rounds == 0
 
 
-def test_sampled_requests_never_verify_lookup_drafts(target):
-    drafter = WrongDrafter(target.vocab_size)
-    engine, outs = _run(target, drafter, EngineConfig(policy="fixed", lookup_ngram=3), temperature=1.0)
+V = 6
+DRAWS = 1500
+# every (2, 3, v) occurred before, followed by 5: whatever the first sampled token v, the next round's lookup draft
+# starts with 5
+LOOP_PROMPT = [t for v in range(V) for t in (2, 3, v, 5)] + [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def uniform_target(tmp_path_factory):
+    """A real Qwen3 whose final norm is zeroed: every next-token distribution is uniform over V."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                         max_position_embeddings=64, eos_token_id=None, bos_token_id=None))
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    path = tmp_path_factory.mktemp("uniform-target")
+    model.save_pretrained(path)
+    return TargetRuntime(TargetConfig(str(path), device="cpu", dtype="float32"))
+
+
+@pytest.mark.parametrize("coupled", [False, True])
+def test_sampled_lookup_drafts_keep_the_target_distribution(uniform_target, coupled):
+    """The first drafted position's token stays uniform although its lookup draft is always token 5 (a residual
+    that did not take the draft out would give 5 with 1/6 + 5/6 x 1/6 = 0.31)."""
+    engine = Engine(uniform_target, WrongDrafter(V, confidence=0.01),
+                    EngineConfig(policy="fixed", lookup_ngram=3, max_active=64, max_waiting=DRAWS,
+                                 isolate_seeded=coupled))
+    rids = [engine.add_request(LOOP_PROMPT, SamplingParams(temperature=1.0, seed=i, max_new_tokens=2))
+            for i in range(DRAWS)]
+    engine.run()
+    second = [engine.pop(r).output_ids[1] for r in rids]
+    assert engine.num_lookup_rounds == DRAWS  # every request's one drafted round verified the lookup draft
+    sigma = math.sqrt((1 / V) * (1 - 1 / V) / DRAWS)
+    for v in range(V):
+        rate = second.count(v) / DRAWS
+        assert abs(rate - 1 / V) < 4 * sigma, (v, rate)
+    # the draft was accepted about as often as the target draws 5
+    assert abs(engine.num_lookup_accepted / DRAWS - 1 / V) < 4 * sigma
+
+
+def test_sampled_requests_with_their_own_processing_verify_the_drafters_block(uniform_target):
+    engine = Engine(uniform_target, WrongDrafter(V, confidence=0.01), EngineConfig(policy="fixed", lookup_ngram=3))
+    rid = engine.add_request(LOOP_PROMPT, SamplingParams(temperature=1.0, seed=1, max_new_tokens=6,
+                                                         repetition_penalty=1.3))
+    engine.run()
+    assert len(engine.pop(rid).output_ids) == 6
     assert engine.num_lookup_rounds == 0
-    assert all(len(o.output_ids) == 24 or o.finish_reason == "stop" for o in outs)
