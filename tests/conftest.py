@@ -101,6 +101,28 @@ def fixture_dspark_stack():
     return target, drafter
 
 
+UNIFORM_V = 6
+
+
+@pytest.fixture(scope="module")
+def uniform_target(tmp_path_factory):
+    """A real Qwen3 whose final norm is zeroed: every next-token distribution is uniform over UNIFORM_V tokens."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dspark_core.target import TargetConfig, TargetRuntime
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=UNIFORM_V, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=8, max_position_embeddings=64, eos_token_id=None,
+                                         bos_token_id=None))
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    path = tmp_path_factory.mktemp("uniform-target")
+    model.save_pretrained(path)
+    return TargetRuntime(TargetConfig(str(path), device="cpu", dtype="float32"))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny-tensor tests run several times faster on one intra-op thread, especially on a busy 2-core

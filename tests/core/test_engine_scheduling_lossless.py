@@ -14,15 +14,15 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dspark_core import scheduling
 from dspark_core.drafters.base import LocalStates, Proposal
 from dspark_core.engine import Engine, EngineConfig
 from dspark_core.sampling import SamplingParams
-from dspark_core.target import TargetConfig, TargetRuntime
 
-V = 6
+from conftest import UNIFORM_V
+
+V = UNIFORM_V
 SPS = [0.0, 1.0, 0.5, 0.45]
 DRAWS = 1500
 
@@ -46,20 +46,6 @@ class SlotDependentDrafter(LocalStates):
                                 support_probs=torch.full((2, 2), 0.5),
                                 confidences=torch.tensor([0.8, 0.9 if d[0] == 0 else 0.0])))
         return out
-
-
-@pytest.fixture(scope="module")
-def uniform_target(tmp_path_factory):
-    """A real Qwen3 whose final norm is zeroed: every next-token distribution is uniform over V."""
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                         max_position_embeddings=64, eos_token_id=None, bos_token_id=None))
-    with torch.no_grad():
-        model.model.norm.weight.zero_()
-    path = tmp_path_factory.mktemp("uniform-target")
-    model.save_pretrained(path)
-    return TargetRuntime(TargetConfig(str(path), device="cpu", dtype="float32"))
 
 
 def first_drafted_position_zero_rate(target, policy: str, coupled: bool = False) -> float:

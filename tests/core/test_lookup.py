@@ -17,6 +17,8 @@ from dspark_core.lookup import LOOKUP_ACCEPTANCE, MAX_NGRAM, NgramIndex, accepta
 from dspark_core.sampling import SamplingParams
 from dspark_core.target import TargetConfig, TargetRuntime
 
+from conftest import UNIFORM_V
+
 # prompts that repeat themselves (what lookup drafts feed on) and one that does not
 PROMPTS = [[5, 9, 12, 30, 41, 5, 9, 12, 30, 41, 5, 9, 12], [7, 8, 9, 10] * 4, [100, 3, 19, 22, 23, 24, 60, 61, 90]]
 
@@ -167,27 +169,11 @@ def test_a_drafter_expected_to_accept_more_keeps_its_block(target, expected):
     assert engine.num_lookup_rounds == 0
 
 
-V = 6
+V = UNIFORM_V
 DRAWS = 1500
 # every (2, 3, v) occurred before, followed by 5: whatever the first sampled token v, the next round's lookup draft
 # starts with 5
 LOOP_PROMPT = [t for v in range(V) for t in (2, 3, v, 5)] + [1, 2, 3]
-
-
-@pytest.fixture(scope="module")
-def uniform_target(tmp_path_factory):
-    """A real Qwen3 whose final norm is zeroed: every next-token distribution is uniform over V."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                         max_position_embeddings=64, eos_token_id=None, bos_token_id=None))
-    with torch.no_grad():
-        model.model.norm.weight.zero_()
-    path = tmp_path_factory.mktemp("uniform-target")
-    model.save_pretrained(path)
-    return TargetRuntime(TargetConfig(str(path), device="cpu", dtype="float32"))
 
 
 @pytest.mark.parametrize("coupled", [False, True])
