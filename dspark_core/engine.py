@@ -36,7 +36,7 @@ from .capacity import DraftCost, DraftCostFit
 from .cost_model import OnlineSpsTable, SpsTable, sps_callable
 from .drafters.base import DraftProcessing, Proposal, ProposeItem, context_dtype
 from .errors import InvalidArgument, NotFound, ResourceExhausted
-from .lookup import NgramIndex, acceptance, check_ngram
+from .lookup import LookupPricing, NgramIndex, check_ngram
 from .monitoring import CalibrationMonitor, CollapseDetector, RoundRecord, SlotCorrection, shift_logit
 from .sampling import SamplingParams, TokenHistory, TokenLogprob, make_generator
 from .target import KVCacheFull, TargetRuntime
@@ -226,6 +226,7 @@ class RequestState:
     # request history)
     lookup: NgramIndex | None = None
     lookup_round: bool = False
+    lookup_match: int = 0  # this round's lookup match length
     t_start: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_end: float | None = None
@@ -428,6 +429,7 @@ class Engine:
         self.num_gated_drafts = 0  # request-rounds decoded autoregressively because their drafts did not pay
         self.num_lookup_rounds = 0  # request-rounds that verified an n-gram lookup draft (EngineConfig.lookup_ngram)
         self.num_lookup_accepted = 0  # their accepted drafts
+        self.lookup_pricing = LookupPricing()  # the lookup tables, corrected by the rounds verified so far
         # the gate's recent decisions per kind of request (greedy or not): a moving average of the skip it
         # assigned (0 when drafts paid), where a new request of that kind starts instead of probing from 0
         self._gate_hint = {True: 0.0, False: 0.0}
@@ -737,6 +739,7 @@ class Engine:
             if req.lookup_round and draft.tokens:
                 self.num_lookup_rounds += 1
                 self.num_lookup_accepted += res.num_accepted
+                self.lookup_pricing.observe(req.lookup_match, len(draft.tokens), res.num_accepted, req.params.greedy)
             if req.slot1_confidence is not None and draft.tokens:
                 req.history_rounds += 1
                 req.history_accepted += int(res.num_accepted >= 1)
@@ -869,7 +872,7 @@ class Engine:
         for i, (r, (d, n)) in enumerate(zip(reqs, found)):
             if not d:
                 continue
-            c = acceptance(n, len(d), r.params.greedy)
+            c = self.lookup_pricing.acceptance(n, len(d), r.params.greedy)
             # the draft expected to accept more (both priced by calibrated confidences, read before verification;
             # measured on SmolLM2 greedy code at batch 1, this beat also requiring the two drafts' first tokens to
             # agree: +4.4% / +2.9% (fixed / causal) against +1.4% / +0.8%)
@@ -878,7 +881,7 @@ class Engine:
                 continue
             confs[i] = c
             r.slot1_confidence = None  # not a round of the drafter's for its request history
-            r.lookup_round = True
+            r.lookup_round, r.lookup_match = True, n
         # the policy plans the whole pass: the undrafted requests' anchors are in it (rows with no candidate).
         # Planned with the drafted requests alone, a step where most requests are gated priced its drafts on
         # the curve of a far smaller batch (a steeper one per token), so its few probes verified too little
@@ -932,8 +935,8 @@ class Engine:
         if not draft:
             return []
         r.slot1_confidence = None
-        r.lookup_round = True
-        return acceptance(n, len(draft), r.params.greedy)
+        r.lookup_round, r.lookup_match = True, n
+        return self.lookup_pricing.acceptance(n, len(draft), r.params.greedy)
 
     def _lookup_block(self, r: RequestState, draft: list[int], length: int) -> DraftBlock:
         """A lookup draft cut to the policy's length and the context window. Greedy: no support. Sampled: each

@@ -112,3 +112,42 @@ class NgramIndex:
             return out, m
         return [], 0
 
+
+
+class LookupPricing:
+    """The lookup tables corrected online by the rounds actually verified (earlier rounds only, so lengths stay
+    non-anticipating): per kind of request (greedy / sampled), match length and position, the conditional
+    acceptance is (accepted + s x table) / (tried + s), the table a prior worth `strength` rounds. The tables are
+    SmolLM2's; another target's repetitions are priced by its own rounds after a few hundred of them."""
+
+    def __init__(self, strength: float = 50.0):
+        if not strength > 0:
+            raise InvalidArgument("strength", strength, "must be > 0")
+        self.strength = float(strength)
+        # (greedy, n) -> [tried per position, accepted per position]
+        self._counts: dict[tuple[bool, int], tuple[list[float], list[float]]] = {}
+
+    def _slot(self, greedy: bool, n: int):
+        key = (bool(greedy), min(max(n, MIN_NGRAM), MAX_NGRAM))
+        if key not in self._counts:
+            self._counts[key] = ([0.0] * 7, [0.0] * 7)
+        return self._counts[key]
+
+    def acceptance(self, n: int, length: int, greedy: bool = True) -> list[float]:
+        """`acceptance(n, length, greedy)` corrected by the rounds observed so far."""
+        prior = acceptance(n, length, greedy)
+        tried, ok = self._slot(greedy, n)
+        s = self.strength
+        out = []
+        for i, p in enumerate(prior):
+            j = min(i, len(tried) - 1)
+            out.append((ok[j] + s * p) / (tried[j] + s))
+        return out
+
+    def observe(self, n: int, verified: int, accepted: int, greedy: bool = True) -> None:
+        """One verified lookup round: `verified` draft tokens of a match of `n`, the first `accepted` accepted."""
+        tried, ok = self._slot(greedy, n)
+        for i in range(min(verified, accepted + 1)):  # positions reached: every accepted one and the first rejected
+            j = min(i, len(tried) - 1)
+            tried[j] += 1.0
+            ok[j] += 1.0 if i < accepted else 0.0

@@ -203,3 +203,22 @@ def test_sampled_requests_with_their_own_processing_verify_the_drafters_block(un
     engine.run()
     assert len(engine.pop(rid).output_ids) == 6
     assert engine.num_lookup_rounds == 0
+
+
+def test_pricing_follows_the_rounds_verified():
+    from dspark_core.lookup import LookupPricing
+
+    pricing = LookupPricing(strength=50.0)
+    assert pricing.acceptance(3, 3) == pytest.approx(acceptance(3, 3))  # no round yet: the table
+    for _ in range(500):  # a target whose lookup drafts never survive position 1
+        pricing.observe(3, verified=4, accepted=0)
+    low = pricing.acceptance(3, 3)
+    assert low[0] < 0.1 * acceptance(3, 1)[0]
+    assert low[1:] == pytest.approx(acceptance(3, 3)[1:])  # positions never reached keep the table
+    assert pricing.acceptance(3, 1, greedy=False) == pytest.approx(acceptance(3, 1, greedy=False))  # sampled: apart
+    assert pricing.acceptance(5, 1) == pytest.approx(acceptance(5, 1))  # other match lengths: their own
+    for _ in range(500):
+        pricing.observe(8, verified=7, accepted=7)
+    assert all(x > 0.99 for x in pricing.acceptance(8, 7))
+    with pytest.raises(InvalidArgument, match="strength"):
+        LookupPricing(strength=0)
