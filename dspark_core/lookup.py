@@ -113,7 +113,6 @@ class NgramIndex:
         return [], 0
 
 
-
 class LookupPricing:
     """The lookup tables corrected online by the rounds actually verified (earlier rounds only, so lengths stay
     non-anticipating): per kind of request (greedy / sampled), match length and position, the conditional
