@@ -172,8 +172,8 @@ def check_args(args):
         raise InvalidArgument("--temperature", args.temperature, "must be >= 0")
     if args.repeats < 1:
         raise InvalidArgument("--repeats", args.repeats, "must be >= 1")
-    if args.lookup_ngram == 0 or check_ngram(args.lookup_ngram, "--lookup-ngram") != args.lookup_ngram:
-        raise InvalidArgument("--lookup-ngram", args.lookup_ngram, "must be the shortest match (--lookup off: none)")
+    if check_ngram(args.lookup_ngram, "--lookup-ngram") == 0:
+        raise InvalidArgument("--lookup-ngram", 0, "must be the shortest match (--lookup off: no lookup drafts)")
     if args.draft_window < 0:
         raise InvalidArgument("--draft-window", args.draft_window, "must be >= 0 (0: the whole prompt)")
     if args.block_size is not None and not 1 <= args.block_size <= 32:
@@ -409,10 +409,11 @@ def run_distributed(args, settings) -> int:
     prompts, source = load_prompt_list(args, light)
     say = (lambda m: print(f"dspark bench: {m}", file=sys.stderr))
     say(f"starting the embedded and the distributed deployment ({len(prompts)} prompts, policy {policy})")
+    lookup_ngram = settings.lookup_ngram if settings.lookup == "on" else 0  # "both" is refused with --distributed
     result = run_distributed_bench(target_dir, drafter_path, prompts, policy, list(settings.concurrencies),
                                    settings.repeats, settings.max_new_tokens, settings.temperature, settings.seed,
                                    settings.block_size, progress=say, draft_window=settings.draft_window,
-                                   lookup_ngram=settings.lookup_ngram if settings.lookup == "on" else 0)
+                                   lookup_ngram=lookup_ngram)
     import os
 
     result["config"] = {
@@ -420,7 +421,7 @@ def run_distributed(args, settings) -> int:
         "concurrency": list(settings.concurrencies), "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature, "repeats": settings.repeats, "seed": settings.seed, "prompts": source,
         "draft_window": settings.draft_window, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "lookup_ngram": settings.lookup_ngram if settings.lookup == "on" else 0,
+        "lookup_ngram": lookup_ngram,
         "cpus": os.cpu_count(),
         "protocol": ("both deployments up at once on loopback; per repeat and concurrency, embedded then "
                      "distributed, closed loop over gRPC GenerateUnary with max(prompts, 2 x concurrency) requests; "

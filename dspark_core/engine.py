@@ -879,9 +879,7 @@ class Engine:
             if _expected_accepted(c) <= _expected_accepted(confs[i]):
                 lookups[i] = []
                 continue
-            confs[i] = c
-            r.slot1_confidence = None  # not a round of the drafter's for its request history
-            r.lookup_round, r.lookup_match = True, n
+            confs[i] = self._take_lookup(r, d, n)
         # the policy plans the whole pass: the undrafted requests' anchors are in it (rows with no candidate).
         # Planned with the drafted requests alone, a step where most requests are gated priced its drafts on
         # the curve of a far smaller batch (a steeper one per token), so its few probes verified too little
@@ -930,8 +928,8 @@ class Engine:
         return blocks, confs + und_confs
 
     def _take_lookup(self, r: RequestState, draft: list[int], n: int) -> list[float]:
-        """The confidences of an undrafted request's lookup draft (it verifies it: nothing else was drafted), or
-        [] without one."""
+        """`r` verifies its lookup draft this round (matched on `n` tokens): marks it (its round is not the
+        drafter's: no request-history record) and returns the draft's confidences; [] without a draft."""
         if not draft:
             return []
         r.slot1_confidence = None
@@ -952,8 +950,8 @@ class Engine:
 
     def _lookup_only(self, reqs: list[RequestState], drafts: list[DraftBlock], confs
                      ) -> tuple[list[DraftBlock], list[list[float]] | None]:
-        """A step without a drafter pass (gated, or a collapsed drafter): greedy requests with a lookup draft
-        verify it at the policy's lengths; unchanged when there is none (or lookup drafts are off)."""
+        """A step without a drafter pass (gated, or a collapsed drafter): requests with a lookup draft verify it
+        at the policy's lengths; unchanged when there is none (or lookup drafts are off)."""
         if not self.config.lookup_ngram:
             return drafts, confs
         found = [self._lookup_draft(r, self.block_size) for r in reqs]
@@ -1005,10 +1003,7 @@ class Engine:
         # for the whole batch); request scope, its share of the whole pass
         share = self.pass_cost(len(reqs)).per_request if batch else draft_seconds / max(len(reqs), 1)
         for r, c, l, t_without in zip(reqs, confs, lengths, without):
-            expected, alive = 0.0, 1.0
-            for k in range(min(l, len(c))):
-                alive *= c[k]
-                expected += alive
+            expected = _expected_accepted(c[:l])
             cost = share + max(0.0, t_full - t_without)
             # one round's confidences are a noisy guess of the next rounds': the request's moving average decides
             surplus = expected - cfg.draft_gate_margin * rate * cost

@@ -129,7 +129,8 @@ class LookupPricing:
     def _slot(self, greedy: bool, n: int):
         key = (bool(greedy), min(max(n, MIN_NGRAM), MAX_NGRAM))
         if key not in self._counts:
-            self._counts[key] = ([0.0] * 7, [0.0] * 7)
+            positions = len(LOOKUP_ACCEPTANCE[MIN_NGRAM])  # the tables' positions; deeper ones share the last
+            self._counts[key] = ([0.0] * positions, [0.0] * positions)
         return self._counts[key]
 
     def acceptance(self, n: int, length: int, greedy: bool = True) -> list[float]:
